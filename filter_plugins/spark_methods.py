@@ -1,0 +1,376 @@
+"""Method catalogue + user settings -> vLLM serve arguments, and validation of those settings.
+
+Pure Python (standard library only); Ansible only needs the ``FilterModule`` at the bottom.
+
+``settings`` is a mapping of the user knobs by their variable names (defaults in
+``inventory/group_vars/all/main.yml``; a key that is missing takes the same default, see
+``SETTING_DEFAULTS``).  ``catalogue`` is ``spark_method_catalogue`` from
+``inventory/group_vars/all/methods.yml``.
+
+A few settings are not user knobs in main.yml; roles add them when they apply:
+
+- ``vllm_model_path``: the model path *inside the container*, default ``/model`` (the serve role
+  mounts ``spark_model_dir`` there read-only).
+- multi-node ``mp`` backend: ``spark_nnodes`` (default 1), ``spark_node_rank`` (default 0),
+  ``spark_master_addr`` (required when ``spark_nnodes`` > 1), ``spark_master_port`` (optional).
+  Nodes with rank > 0 get ``--headless`` (they run workers only, no API server).
+
+Example (a playbook)::
+
+    vllm_serve_argv: "{{ spark_settings | spark_serve_argv(spark_method_catalogue) }}"
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+from collections.abc import Mapping
+
+SETTING_DEFAULTS: dict[str, object] = {
+    "spec_method": "mtp",
+    "spec_num_speculative_tokens": None,
+    "spec_ngram_lookup_min": None,
+    "spec_ngram_lookup_max": None,
+    "spec_eagle3_drafter": "",
+    "spec_dflash_drafter": "z-lab/Qwen3.5-122B-A10B-DFlash",
+    "vllm_gpu_memory_utilization": 0.85,
+    "vllm_max_model_len": 262144,
+    "vllm_host": "127.0.0.1",
+    "vllm_port": 8000,
+    "vllm_served_model_name": "qwen3.5-122b",
+    "vllm_reasoning_parser": "qwen3",
+    "vllm_api_key_file": "",
+    "vllm_allow_unauthenticated_bind": False,
+    "spark_model_dir": "/srv/models/qwen3.5-122b-hybrid",
+    "spark_tensor_parallel_size": 1,
+    "spark_distributed_backend": None,
+    # not in main.yml (see the module docstring)
+    "vllm_model_path": "/model",
+    "spark_nnodes": 1,
+    "spark_node_rank": 0,
+    "spark_master_addr": "",
+    "spark_master_port": None,
+}
+
+DISTRIBUTED_BACKENDS = (None, "ray", "mp")
+GPU_MEMORY_MAX = 0.95
+SPEC_TOKENS_RANGE = (1, 16)
+
+# serve_flags key -> vLLM option (value rendered with str()).
+_FLAG_OPTIONS = {
+    "attention_backend": "--attention-backend",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+}
+_KNOWN_SERVE_FLAGS = set(_FLAG_OPTIONS) | {"gpu_memory_utilization_cap"}
+
+_JSON_HINT = "pass numbers and booleans as JSON, e.g. -e '{{\"{name}\": {example}}}'"
+
+
+class CatalogueError(ValueError):
+    """The catalogue itself (methods.yml) is malformed: a bug in the project, not user input."""
+
+
+def _get(settings: Mapping, name: str):
+    value = settings.get(name, SETTING_DEFAULTS.get(name)) if settings is not None else None
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(float(value)))
+
+
+def _type_hint(name: str, value, example) -> str:
+    if isinstance(value, str):
+        return (f" (a string: values given as -e {name}=... arrive as strings; "
+                + _JSON_HINT.format(name=name, example=example) + ")")
+    return ""
+
+
+def _check_int(errors: list[str], name: str, value, lo: int | None, hi: int | None, example) -> bool:
+    """Append an error unless value is an int in [lo, hi]; return True when it is valid."""
+    bounds = (f"between {lo} and {hi}" if hi is not None else f">= {lo}")
+    if not _is_int(value):
+        errors.append(f"{name}={value!r} is not an integer{_type_hint(name, value, example)}; "
+                      f"set {name} to an integer {bounds}, e.g. {example}")
+        return False
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        errors.append(f"{name}={value!r} is out of range; set {name} to an integer {bounds}, e.g. {example}")
+        return False
+    return True
+
+
+def _entry(catalogue: Mapping, method) -> Mapping | None:
+    if not isinstance(catalogue, Mapping) or not isinstance(method, str):
+        return None
+    entry = catalogue.get(method)
+    return entry if isinstance(entry, Mapping) else None
+
+
+def _valid_methods(catalogue) -> str:
+    return ", ".join(catalogue) if isinstance(catalogue, Mapping) else "(no catalogue)"
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _merged_speculative_config(settings: Mapping, entry: Mapping) -> dict | None:
+    base = entry.get("speculative_config")
+    if base is None:
+        return None
+    if not isinstance(base, Mapping) or "method" not in base:
+        raise CatalogueError(f"speculative_config {base!r} must be a mapping with a 'method' key")
+    config = dict(base)
+    for key, setting in (entry.get("setting_overrides") or {}).items():
+        value = _get(settings, setting)
+        if value is not None and value != "":
+            config[key] = value
+    # A null in the catalogue means "no default": leave it out rather than sending null to vLLM.
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[str]:
+    """Every problem with the user settings, as messages naming the variable, its value and the fix.
+
+    An empty list means the settings are valid for the selected method.
+    """
+    errors: list[str] = []
+    if not isinstance(settings, Mapping):
+        return [f"settings must be a mapping of knob names to values, got {type(settings).__name__}"]
+    if not isinstance(catalogue, Mapping) or not catalogue:
+        return ["spark_method_catalogue is missing or empty; it is defined in "
+                "inventory/group_vars/all/methods.yml"]
+
+    method = _get(settings, "spec_method")
+    entry = _entry(catalogue, method)
+    if entry is None:
+        errors.append(f"spec_method={method!r} is not a known method; set spec_method to one of: "
+                      f"{_valid_methods(catalogue)}")
+
+    tokens = _get(settings, "spec_num_speculative_tokens")
+    if tokens is not None:
+        _check_int(errors, "spec_num_speculative_tokens", tokens, *SPEC_TOKENS_RANGE, example=2)
+
+    lookup_ok = True
+    for name in ("spec_ngram_lookup_min", "spec_ngram_lookup_max"):
+        value = _get(settings, name)
+        if value is not None:
+            lookup_ok &= _check_int(errors, name, value, 1, None, example=3)
+
+    if entry is not None:
+        try:
+            config = _merged_speculative_config(settings, entry)
+        except CatalogueError as exc:
+            return errors + [f"method {method!r} in spark_method_catalogue: {exc}"]
+        for requirement in entry.get("requires") or []:
+            value = _get(settings, requirement)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                errors.append(f"spec_method={method!r} requires {requirement}, which is "
+                              f"{value!r}; set {requirement} to the drafter model (a path inside "
+                              f"the container or a Hugging Face repo id)")
+            elif not isinstance(value, str):
+                errors.append(f"{requirement}={value!r} must be a string (a model path or repo id)")
+        if config and config.get("method") == "ngram" and lookup_ok:
+            lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+            if _is_int(lo) and _is_int(hi) and lo > hi:
+                errors.append(f"spec_ngram_lookup_min={lo!r} is greater than spec_ngram_lookup_max="
+                              f"{hi!r}; set spec_ngram_lookup_min <= spec_ngram_lookup_max")
+
+    gpu = _get(settings, "vllm_gpu_memory_utilization")
+    if not _is_number(gpu):
+        errors.append(f"vllm_gpu_memory_utilization={gpu!r} is not a number"
+                      f"{_type_hint('vllm_gpu_memory_utilization', gpu, 0.85)}; set it to a fraction "
+                      f"in (0, {GPU_MEMORY_MAX}], e.g. 0.85")
+    elif not 0 < gpu <= GPU_MEMORY_MAX:
+        errors.append(f"vllm_gpu_memory_utilization={gpu!r} is out of range; set it to a fraction "
+                      f"in (0, {GPU_MEMORY_MAX}], e.g. 0.85 (0.90 fails on some units)")
+
+    _check_int(errors, "vllm_max_model_len", _get(settings, "vllm_max_model_len"), 1, None, example=262144)
+    _check_int(errors, "vllm_port", _get(settings, "vllm_port"), 1, 65535, example=8000)
+    tp_ok = _check_int(errors, "spark_tensor_parallel_size", _get(settings, "spark_tensor_parallel_size"),
+                       1, None, example=2)
+
+    for name in ("vllm_served_model_name", "vllm_model_path"):
+        value = _get(settings, name)
+        if not isinstance(value, str) or not value.strip():
+            errors.append(f"{name}={value!r} must be a non-empty string; set {name}")
+    parser = _get(settings, "vllm_reasoning_parser")
+    if parser is not None and not isinstance(parser, str):
+        errors.append(f"vllm_reasoning_parser={parser!r} must be a string; set it to a parser name "
+                      f"such as 'qwen3', or '' to disable reasoning parsing")
+    model_dir = _get(settings, "spark_model_dir")
+    if not isinstance(model_dir, str) or not model_dir.startswith("/"):
+        errors.append(f"spark_model_dir={model_dir!r} must be an absolute path; set spark_model_dir "
+                      f"to the checkpoint directory on the Spark")
+
+    backend = _get(settings, "spark_distributed_backend")
+    if backend == "":
+        backend = None
+    if backend not in DISTRIBUTED_BACKENDS:
+        errors.append(f"spark_distributed_backend={backend!r} is not valid; set it to null "
+                      f"(single node), 'ray' or 'mp'")
+    nnodes = _get(settings, "spark_nnodes")
+    if _check_int(errors, "spark_nnodes", nnodes, 1, None, example=2) and nnodes > 1:
+        if backend != "mp":
+            errors.append(f"spark_nnodes={nnodes!r} needs spark_distributed_backend='mp' (got "
+                          f"{backend!r}); with 'ray' the Ray cluster spans the nodes, so leave "
+                          f"spark_nnodes at 1 and set spark_tensor_parallel_size instead")
+        rank = _get(settings, "spark_node_rank")
+        _check_int(errors, "spark_node_rank", rank, 0, nnodes - 1, example=0)
+        addr = _get(settings, "spark_master_addr")
+        if not isinstance(addr, str) or not addr.strip():
+            errors.append(f"spark_master_addr={addr!r} is required when spark_nnodes > 1; set it to "
+                          f"the head node's address on the ConnectX-7 link")
+        port = _get(settings, "spark_master_port")
+        if port is not None:
+            _check_int(errors, "spark_master_port", port, 1, 65535, example=29501)
+        if tp_ok:
+            tp = _get(settings, "spark_tensor_parallel_size")
+            if tp % nnodes:
+                errors.append(f"spark_tensor_parallel_size={tp!r} is not a multiple of spark_nnodes="
+                              f"{nnodes!r}; set it to GPUs per node x nodes")
+
+    host = _get(settings, "vllm_host")
+    key_file = _get(settings, "vllm_api_key_file")
+    opt_out = _get(settings, "vllm_allow_unauthenticated_bind")
+    if not isinstance(opt_out, bool):
+        errors.append(f"vllm_allow_unauthenticated_bind={opt_out!r} is not a boolean"
+                      f"{_type_hint('vllm_allow_unauthenticated_bind', opt_out, 'true')}; set it to "
+                      f"true or false")
+        opt_out = False
+    if key_file is None:
+        key_file = ""
+    if not isinstance(key_file, str) or (key_file and not key_file.startswith("/")):
+        errors.append(f"vllm_api_key_file={key_file!r} must be an absolute path or ''; set it to the "
+                      f"file on the Spark that holds the API key")
+    if not isinstance(host, str) or not host.strip():
+        errors.append(f"vllm_host={host!r} must be an address; set vllm_host, e.g. 127.0.0.1")
+    elif not _is_loopback(host) and not key_file and not opt_out:
+        errors.append(f"vllm_host={host!r} exposes the API beyond this machine without an API key; "
+                      f"set vllm_api_key_file to a file holding the key, or set "
+                      f"vllm_allow_unauthenticated_bind=true to accept an open endpoint")
+    return errors
+
+
+def spark_speculative_config(settings: Mapping, catalogue: Mapping) -> dict | None:
+    """The --speculative-config for the selected method: catalogue default + user overrides.
+
+    None for a method without speculation (baseline). Raises ValueError for an unknown method.
+    """
+    method = _get(settings, "spec_method")
+    entry = _entry(catalogue, method)
+    if entry is None:
+        raise ValueError(f"spec_method={method!r} is not a known method; set spec_method to one of: "
+                         f"{_valid_methods(catalogue)}")
+    return _merged_speculative_config(settings, entry)
+
+
+def _speculative_json(config: Mapping) -> str:
+    """Compact, deterministic JSON (sorted keys, no spaces) so an unchanged config renders the same."""
+    return json.dumps(dict(config), sort_keys=True, separators=(",", ":"))
+
+
+def _fmt_number(value) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
+    """The arguments that follow ``vllm serve`` for the selected method, as a list of strings.
+
+    Validates first and raises ValueError listing every problem. The API key is deliberately NOT
+    part of the argument list (argv is world-readable via /proc and shows up in ``ps`` and the
+    journal): the serve role writes ``VLLM_API_KEY=<key>`` into a 0600 environment file that the
+    unit passes to the container, and vLLM reads the key from that variable.
+
+    Never emits ``--disable-log-stats`` (speculative decoding metrics are only counted with stats
+    logging on) and always ``--no-enable-prefix-caching`` (prefix caching is reported broken for
+    Qwen3.5 on vLLM 0.19).
+    """
+    errors = spark_method_settings_errors(settings, catalogue)
+    if errors:
+        raise ValueError("invalid serve settings:\n- " + "\n- ".join(errors))
+    method = _get(settings, "spec_method")
+    entry = catalogue[method]
+    flags = dict(entry.get("serve_flags") or {})
+    unknown = set(flags) - _KNOWN_SERVE_FLAGS
+    if unknown:
+        raise CatalogueError(f"method {method!r}: unknown serve_flags {sorted(unknown)}; known: "
+                             f"{sorted(_KNOWN_SERVE_FLAGS)}")
+
+    gpu = _get(settings, "vllm_gpu_memory_utilization")
+    cap = flags.get("gpu_memory_utilization_cap")
+    if cap is not None:
+        gpu = min(gpu, cap)
+
+    argv = [
+        _get(settings, "vllm_model_path"),
+        "--served-model-name", _get(settings, "vllm_served_model_name"),
+        "--host", _get(settings, "vllm_host"),
+        "--port", str(_get(settings, "vllm_port")),
+        "--max-model-len", str(_get(settings, "vllm_max_model_len")),
+        "--gpu-memory-utilization", _fmt_number(gpu),
+        "--no-enable-prefix-caching",
+    ]
+    parser = _get(settings, "vllm_reasoning_parser")
+    if parser:
+        argv += ["--reasoning-parser", parser]
+    config = spark_speculative_config(settings, catalogue)
+    if config:
+        argv += ["--speculative-config", _speculative_json(config)]
+    for key, option in _FLAG_OPTIONS.items():
+        if flags.get(key) is not None:
+            argv += [option, str(flags[key])]
+
+    tp = _get(settings, "spark_tensor_parallel_size")
+    backend = _get(settings, "spark_distributed_backend") or None
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
+    if backend:
+        argv += ["--distributed-executor-backend", backend]
+    nnodes = _get(settings, "spark_nnodes")
+    if nnodes > 1:
+        rank = _get(settings, "spark_node_rank")
+        argv += ["--nnodes", str(nnodes), "--node-rank", str(rank),
+                 "--master-addr", _get(settings, "spark_master_addr")]
+        if _get(settings, "spark_master_port") is not None:
+            argv += ["--master-port", str(_get(settings, "spark_master_port"))]
+        if rank > 0:
+            argv.append("--headless")
+    return [str(a) for a in argv]
+
+
+def spark_method_variant(method: str, catalogue: Mapping, variants: Mapping) -> dict:
+    """The vLLM build (spark_vllm_variants entry, plus its key as ``name``) a method needs."""
+    entry = _entry(catalogue, method)
+    if entry is None:
+        raise ValueError(f"spec_method={method!r} is not a known method; set spec_method to one of: "
+                         f"{_valid_methods(catalogue)}")
+    name = entry.get("vllm_variant")
+    if not isinstance(variants, Mapping) or name not in variants:
+        raise CatalogueError(f"method {method!r} names vllm_variant {name!r}, which is not in "
+                             f"spark_vllm_variants")
+    return {"name": name, **dict(variants[name])}
+
+
+class FilterModule:
+    """Ansible filters: spark_method_settings_errors, spark_speculative_config, spark_serve_argv,
+    spark_method_variant."""
+
+    def filters(self):
+        return {
+            "spark_method_settings_errors": spark_method_settings_errors,
+            "spark_speculative_config": spark_speculative_config,
+            "spark_serve_argv": spark_serve_argv,
+            "spark_method_variant": spark_method_variant,
+        }

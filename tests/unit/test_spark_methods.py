@@ -1,0 +1,437 @@
+"""Unit tests for filter_plugins/spark_methods.py against the real catalogue in methods.yml."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from spark_methods import (
+    SETTING_DEFAULTS,
+    CatalogueError,
+    FilterModule,
+    spark_method_settings_errors,
+    spark_method_variant,
+    spark_serve_argv,
+    spark_speculative_config,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP_VARS = ROOT / "inventory" / "group_vars" / "all"
+METHODS = ("baseline", "ngram", "mtp", "eagle3", "dflash")
+
+
+@pytest.fixture(scope="module")
+def methods_yml():
+    return yaml.safe_load((GROUP_VARS / "methods.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def catalogue(methods_yml):
+    return methods_yml["spark_method_catalogue"]
+
+
+@pytest.fixture(scope="module")
+def main_yml():
+    return yaml.safe_load((GROUP_VARS / "main.yml").read_text())
+
+
+def settings(**overrides):
+    base = dict(SETTING_DEFAULTS)
+    base["spec_eagle3_drafter"] = "/drafters/eagle3"
+    base.update(overrides)
+    return base
+
+
+def opt(argv, name):
+    """Value following option `name` in argv (AssertionError if absent)."""
+    assert name in argv, f"{name} missing from {argv}"
+    return argv[argv.index(name) + 1]
+
+
+# --- the catalogue and defaults --------------------------------------------------------------
+
+def test_catalogue_has_exactly_the_five_methods(catalogue):
+    assert tuple(catalogue) == METHODS
+
+
+def test_every_method_names_an_existing_variant(methods_yml, catalogue):
+    variants = methods_yml["spark_vllm_variants"]
+    assert variants["v0_19_1"] == {"ref": "v0.19.1", "extra_prs": [], "version": "0.19.1"}
+    assert variants["v0_20_dflash"] == {"ref": "v0.20.0", "extra_prs": [40898], "version": "0.20.0"}
+    for method, entry in catalogue.items():
+        assert entry["vllm_variant"] in variants
+        assert entry["description"]
+        assert set(entry) >= {"speculative_config", "serve_flags", "requires", "setting_overrides"}
+        expected = "v0_20_dflash" if method == "dflash" else "v0_19_1"
+        assert spark_method_variant(method, catalogue, variants)["name"] == expected
+        # every knob a method reads exists in main.yml
+        for knob in list(entry["setting_overrides"].values()) + list(entry["requires"]):
+            assert knob in SETTING_DEFAULTS
+
+
+def test_method_variant_errors(methods_yml, catalogue):
+    with pytest.raises(ValueError, match="baseline, ngram, mtp, eagle3, dflash"):
+        spark_method_variant("bogus", catalogue, methods_yml["spark_vllm_variants"])
+    with pytest.raises(CatalogueError, match="v0_20_dflash"):
+        spark_method_variant("dflash", catalogue, {"v0_19_1": {}})
+
+
+def test_plugin_defaults_match_main_yml(main_yml):
+    for name, value in main_yml.items():
+        assert SETTING_DEFAULTS[name] == value, name
+        assert type(SETTING_DEFAULTS[name]) is type(value), name
+    required = {
+        "spec_method", "spec_num_speculative_tokens", "spec_ngram_lookup_min", "spec_ngram_lookup_max",
+        "spec_eagle3_drafter", "spec_dflash_drafter", "vllm_gpu_memory_utilization", "vllm_max_model_len",
+        "vllm_host", "vllm_port", "vllm_served_model_name", "vllm_reasoning_parser", "vllm_api_key_file",
+        "vllm_allow_unauthenticated_bind", "spark_model_dir", "spark_tensor_parallel_size",
+        "spark_distributed_backend",
+    }
+    assert set(main_yml) == required
+
+
+def test_every_main_yml_knob_has_a_comment():
+    lines = (GROUP_VARS / "main.yml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line and not line.startswith(("#", " ", "-")):
+            assert lines[i - 1].startswith("#"), f"no comment above {line!r}"
+
+
+def test_defaults_are_valid(catalogue, main_yml):
+    assert spark_method_settings_errors(dict(main_yml), catalogue) == []
+    assert spark_method_settings_errors({}, catalogue) == []
+
+
+def test_filter_module_registers_filters():
+    filters = FilterModule().filters()
+    assert filters["spark_serve_argv"] is spark_serve_argv
+    assert filters["spark_speculative_config"] is spark_speculative_config
+    assert filters["spark_method_settings_errors"] is spark_method_settings_errors
+
+
+# --- speculative config per method -------------------------------------------------------------
+
+@pytest.mark.parametrize(("method", "expected"), [
+    ("baseline", None),
+    ("ngram", {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+               "prompt_lookup_max": 5}),
+    ("mtp", {"method": "mtp", "num_speculative_tokens": 2}),
+    ("eagle3", {"method": "eagle3", "model": "/drafters/eagle3", "num_speculative_tokens": 3}),
+    ("dflash", {"method": "dflash", "model": "z-lab/Qwen3.5-122B-A10B-DFlash",
+                "num_speculative_tokens": 5}),
+])
+def test_speculative_config_defaults(catalogue, method, expected):
+    assert spark_speculative_config(settings(spec_method=method), catalogue) == expected
+
+
+def test_overrides_apply_to_the_right_method(catalogue):
+    s = settings(spec_method="ngram", spec_num_speculative_tokens=3, spec_ngram_lookup_min=1,
+                 spec_ngram_lookup_max=4)
+    assert spark_speculative_config(s, catalogue) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    # n-gram knobs do not leak into mtp
+    s["spec_method"] = "mtp"
+    assert spark_speculative_config(s, catalogue) == {"method": "mtp", "num_speculative_tokens": 3}
+    s = settings(spec_method="dflash", spec_dflash_drafter="/drafters/dflash")
+    assert spark_speculative_config(s, catalogue)["model"] == "/drafters/dflash"
+
+
+def test_catalogue_is_not_mutated(catalogue):
+    before = json.dumps(catalogue, sort_keys=True)
+    spark_serve_argv(settings(spec_method="ngram", spec_num_speculative_tokens=7), catalogue)
+    spark_serve_argv(settings(spec_method="eagle3"), catalogue)
+    assert json.dumps(catalogue, sort_keys=True) == before
+
+
+def test_unknown_method_raises(catalogue):
+    with pytest.raises(ValueError, match="spec_method='bogus'.*baseline, ngram, mtp, eagle3, dflash"):
+        spark_speculative_config(settings(spec_method="bogus"), catalogue)
+
+
+# --- argv ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_argv_common_options(catalogue, method):
+    argv = spark_serve_argv(settings(spec_method=method), catalogue)
+    assert all(isinstance(a, str) for a in argv)
+    assert argv[0] == "/model"
+    assert opt(argv, "--served-model-name") == "qwen3.5-122b"
+    assert opt(argv, "--host") == "127.0.0.1"
+    assert opt(argv, "--port") == "8000"
+    assert opt(argv, "--max-model-len") == "262144"
+    assert opt(argv, "--gpu-memory-utilization") == "0.85"
+    assert opt(argv, "--reasoning-parser") == "qwen3"
+    assert "--no-enable-prefix-caching" in argv
+    assert "--enable-prefix-caching" not in argv
+    assert "--disable-log-stats" not in argv
+    assert not any("api-key" in a or "api_key" in a for a in argv)
+    assert "--tensor-parallel-size" not in argv
+    assert "--distributed-executor-backend" not in argv
+
+
+@pytest.mark.parametrize(("method", "backend", "extra"), [
+    ("baseline", None, {}),
+    ("ngram", None, {}),
+    ("mtp", "FLASHINFER", {}),
+    ("eagle3", None, {}),
+    ("dflash", "FLASH_ATTN", {"--max-num-batched-tokens": "4096"}),
+])
+def test_argv_method_flags(catalogue, method, backend, extra):
+    argv = spark_serve_argv(settings(spec_method=method), catalogue)
+    if backend:
+        assert opt(argv, "--attention-backend") == backend
+    else:
+        assert "--attention-backend" not in argv
+    for name, value in extra.items():
+        assert opt(argv, name) == value
+    if method != "dflash":
+        assert "--max-num-batched-tokens" not in argv
+    spec = spark_speculative_config(settings(spec_method=method), catalogue)
+    if spec is None:
+        assert "--speculative-config" not in argv
+    else:
+        assert json.loads(opt(argv, "--speculative-config")) == spec
+
+
+def test_speculative_json_is_compact_and_sorted(catalogue):
+    argv = spark_serve_argv(settings(spec_method="ngram"), catalogue)
+    text = opt(argv, "--speculative-config")
+    assert text == ('{"method":"ngram","num_speculative_tokens":5,'
+                    '"prompt_lookup_max":5,"prompt_lookup_min":2}')
+    # same config with keys in another order renders identically
+    shuffled = dict(catalogue)
+    entry = dict(catalogue["ngram"])
+    entry["speculative_config"] = dict(reversed(list(entry["speculative_config"].items())))
+    shuffled["ngram"] = entry
+    assert spark_serve_argv(settings(spec_method="ngram"), shuffled) == argv
+
+
+def test_dflash_caps_memory_fraction_but_does_not_raise_it(catalogue):
+    argv = spark_serve_argv(settings(spec_method="dflash", vllm_gpu_memory_utilization=0.9), catalogue)
+    assert opt(argv, "--gpu-memory-utilization") == "0.85"
+    argv = spark_serve_argv(settings(spec_method="dflash", vllm_gpu_memory_utilization=0.7), catalogue)
+    assert opt(argv, "--gpu-memory-utilization") == "0.7"
+    argv = spark_serve_argv(settings(spec_method="mtp", vllm_gpu_memory_utilization=0.9), catalogue)
+    assert opt(argv, "--gpu-memory-utilization") == "0.9"
+
+
+def test_argv_user_options(catalogue):
+    argv = spark_serve_argv(settings(
+        vllm_host="0.0.0.0", vllm_api_key_file="/etc/spark/api-key", vllm_port=9000,
+        vllm_max_model_len=32768, vllm_served_model_name="q", vllm_reasoning_parser="",
+        vllm_model_path="/models/x"), catalogue)
+    assert argv[0] == "/models/x"
+    assert opt(argv, "--host") == "0.0.0.0"
+    assert opt(argv, "--port") == "9000"
+    assert opt(argv, "--max-model-len") == "32768"
+    assert opt(argv, "--served-model-name") == "q"
+    assert "--reasoning-parser" not in argv
+    assert "/etc/spark/api-key" not in argv
+
+
+def test_argv_ray_tensor_parallel(catalogue):
+    argv = spark_serve_argv(settings(spark_tensor_parallel_size=2, spark_distributed_backend="ray"),
+                            catalogue)
+    assert opt(argv, "--tensor-parallel-size") == "2"
+    assert opt(argv, "--distributed-executor-backend") == "ray"
+    assert "--nnodes" not in argv
+    assert "--headless" not in argv
+
+
+@pytest.mark.parametrize(("rank", "headless"), [(0, False), (1, True)])
+def test_argv_multinode_mp(catalogue, rank, headless):
+    argv = spark_serve_argv(settings(
+        spark_tensor_parallel_size=2, spark_distributed_backend="mp", spark_nnodes=2,
+        spark_node_rank=rank, spark_master_addr="10.0.0.1", spark_master_port=29501), catalogue)
+    assert opt(argv, "--tensor-parallel-size") == "2"
+    assert opt(argv, "--distributed-executor-backend") == "mp"
+    assert opt(argv, "--nnodes") == "2"
+    assert opt(argv, "--node-rank") == str(rank)
+    assert opt(argv, "--master-addr") == "10.0.0.1"
+    assert opt(argv, "--master-port") == "29501"
+    assert ("--headless" in argv) is headless
+
+
+def test_argv_refuses_invalid_settings(catalogue):
+    with pytest.raises(ValueError, match="spec_num_speculative_tokens='2'"):
+        spark_serve_argv(settings(spec_num_speculative_tokens="2"), catalogue)
+
+
+def test_argv_is_deterministic(catalogue):
+    for method in METHODS:
+        s = settings(spec_method=method)
+        assert spark_serve_argv(s, catalogue) == spark_serve_argv(dict(reversed(list(s.items()))), catalogue)
+
+
+def test_unknown_serve_flag_in_catalogue_is_a_catalogue_error(catalogue):
+    broken = dict(catalogue)
+    broken["mtp"] = dict(catalogue["mtp"], serve_flags={"attention_backendd": "X"})
+    with pytest.raises(CatalogueError, match="attention_backendd"):
+        spark_serve_argv(settings(), broken)
+
+
+# --- validation --------------------------------------------------------------------------------
+
+def one_error(catalogue, **overrides):
+    errors = spark_method_settings_errors(settings(**overrides), catalogue)
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_valid_with_defaults(catalogue, method):
+    assert spark_method_settings_errors(settings(spec_method=method), catalogue) == []
+
+
+@pytest.mark.parametrize("bad", ["bogus", "", None, "MTP", 3])
+def test_bad_method_names_valid_ones(catalogue, bad):
+    msg = one_error(catalogue, spec_method=bad)
+    assert f"spec_method={bad!r}" in msg
+    assert "baseline, ngram, mtp, eagle3, dflash" in msg
+
+
+@pytest.mark.parametrize(("bad", "fragment"), [
+    ("2", "is not an integer (a string"),
+    (True, "is not an integer"),
+    (2.0, "is not an integer"),
+    (0, "out of range"),
+    (17, "out of range"),
+    (-1, "out of range"),
+])
+def test_num_speculative_tokens(catalogue, bad, fragment):
+    msg = one_error(catalogue, spec_num_speculative_tokens=bad)
+    assert f"spec_num_speculative_tokens={bad!r}" in msg
+    assert fragment in msg
+    assert "between 1 and 16" in msg
+
+
+def test_string_hint_tells_how_to_pass_json(catalogue):
+    msg = one_error(catalogue, spec_num_speculative_tokens="2")
+    assert """-e '{"spec_num_speculative_tokens": 2}'""" in msg
+
+
+@pytest.mark.parametrize("ok", [1, 16])
+def test_num_speculative_tokens_bounds_ok(catalogue, ok):
+    assert spark_method_settings_errors(settings(spec_num_speculative_tokens=ok), catalogue) == []
+
+
+def test_ngram_min_greater_than_max(catalogue):
+    msg = one_error(catalogue, spec_method="ngram", spec_ngram_lookup_min=4, spec_ngram_lookup_max=3)
+    assert "spec_ngram_lookup_min=4" in msg and "spec_ngram_lookup_max=3" in msg and "<=" in msg
+    # against the catalogue default max (5)
+    msg = one_error(catalogue, spec_method="ngram", spec_ngram_lookup_min=6)
+    assert "spec_ngram_lookup_min=6" in msg and "spec_ngram_lookup_max=5" in msg
+
+
+@pytest.mark.parametrize(("name", "bad"), [
+    ("spec_ngram_lookup_min", 0), ("spec_ngram_lookup_max", 0), ("spec_ngram_lookup_min", "3"),
+    ("spec_ngram_lookup_max", False),
+])
+def test_ngram_lookup_types(catalogue, name, bad):
+    msg = one_error(catalogue, spec_method="ngram", **{name: bad})
+    assert f"{name}={bad!r}" in msg
+
+
+@pytest.mark.parametrize("drafter", ["", "   ", None])
+def test_eagle3_requires_drafter(catalogue, drafter):
+    msg = one_error(catalogue, spec_method="eagle3", spec_eagle3_drafter=drafter)
+    assert "spec_eagle3_drafter" in msg and "eagle3" in msg and "set spec_eagle3_drafter" in msg
+
+
+def test_eagle3_drafter_not_needed_for_other_methods(catalogue):
+    assert spark_method_settings_errors(settings(spec_method="mtp", spec_eagle3_drafter=""), catalogue) == []
+
+
+def test_dflash_drafter_must_not_be_blank(catalogue):
+    msg = one_error(catalogue, spec_method="dflash", spec_dflash_drafter="")
+    assert "spec_dflash_drafter" in msg
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 0.96, 1, 1.5, "0.9", True, None, float("nan")])
+def test_gpu_memory_fraction(catalogue, bad):
+    msg = one_error(catalogue, vllm_gpu_memory_utilization=bad)
+    assert "vllm_gpu_memory_utilization=" in msg and "(0, 0.95]" in msg
+
+
+@pytest.mark.parametrize("ok", [0.95, 0.9, 0.5, 0.01])
+def test_gpu_memory_fraction_ok(catalogue, ok):
+    assert spark_method_settings_errors(settings(vllm_gpu_memory_utilization=ok), catalogue) == []
+
+
+@pytest.mark.parametrize(("name", "bad"), [
+    ("vllm_max_model_len", 0), ("vllm_max_model_len", "262144"), ("vllm_max_model_len", -5),
+    ("vllm_port", 0), ("vllm_port", 65536), ("vllm_port", "8000"), ("vllm_port", True),
+    ("spark_tensor_parallel_size", 0), ("spark_tensor_parallel_size", "2"),
+    ("spark_tensor_parallel_size", 1.0),
+])
+def test_int_knobs(catalogue, name, bad):
+    msg = one_error(catalogue, **{name: bad})
+    assert f"{name}={bad!r}" in msg and f"set {name}" in msg
+
+
+@pytest.mark.parametrize("bad", ["nccl", "Ray", 1, True])
+def test_bad_backend(catalogue, bad):
+    msg = one_error(catalogue, spark_distributed_backend=bad)
+    assert f"spark_distributed_backend={bad!r}" in msg and "'ray' or 'mp'" in msg
+
+
+@pytest.mark.parametrize("ok", [None, "", "ray", "mp"])
+def test_good_backend(catalogue, ok):
+    assert spark_method_settings_errors(settings(spark_distributed_backend=ok), catalogue) == []
+
+
+def test_multinode_needs_mp_and_master(catalogue):
+    errors = spark_method_settings_errors(
+        settings(spark_nnodes=2, spark_distributed_backend="ray", spark_tensor_parallel_size=2), catalogue)
+    assert any("spark_nnodes=2 needs spark_distributed_backend='mp'" in e for e in errors)
+    assert any("spark_master_addr" in e for e in errors)
+    msg = one_error(catalogue, spark_nnodes=2, spark_distributed_backend="mp", spark_node_rank=2,
+                    spark_master_addr="10.0.0.1", spark_tensor_parallel_size=2)
+    assert "spark_node_rank=2" in msg
+    msg = one_error(catalogue, spark_nnodes=2, spark_distributed_backend="mp",
+                    spark_master_addr="10.0.0.1", spark_tensor_parallel_size=3)
+    assert "spark_tensor_parallel_size=3" in msg
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.5", "::", "spark.local"])
+def test_public_bind_needs_key_or_opt_out(catalogue, host):
+    msg = one_error(catalogue, vllm_host=host)
+    assert f"vllm_host={host!r}" in msg
+    assert "vllm_api_key_file" in msg and "vllm_allow_unauthenticated_bind" in msg
+    assert spark_method_settings_errors(settings(vllm_host=host, vllm_api_key_file="/etc/k"), catalogue) == []
+    assert spark_method_settings_errors(
+        settings(vllm_host=host, vllm_allow_unauthenticated_bind=True), catalogue) == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.1.1", "::1", "localhost"])
+def test_loopback_needs_no_key(catalogue, host):
+    assert spark_method_settings_errors(settings(vllm_host=host), catalogue) == []
+
+
+def test_opt_out_must_be_boolean(catalogue):
+    errors = spark_method_settings_errors(
+        settings(vllm_host="0.0.0.0", vllm_allow_unauthenticated_bind="true"), catalogue)
+    assert any("vllm_allow_unauthenticated_bind='true' is not a boolean" in e for e in errors)
+    # a string "true" does not count as opting out
+    assert any("vllm_host='0.0.0.0'" in e for e in errors)
+
+
+def test_relative_key_file_and_model_dir(catalogue):
+    msg = one_error(catalogue, vllm_api_key_file="key.txt")
+    assert "vllm_api_key_file='key.txt'" in msg and "absolute" in msg
+    msg = one_error(catalogue, spark_model_dir="models/x")
+    assert "spark_model_dir='models/x'" in msg
+
+
+def test_several_errors_reported_together(catalogue):
+    errors = spark_method_settings_errors(
+        settings(spec_method="eagle3", spec_eagle3_drafter="", vllm_port=0, vllm_gpu_memory_utilization=2),
+        catalogue)
+    assert len(errors) == 3
+
+
+def test_non_mapping_inputs(catalogue):
+    assert spark_method_settings_errors(None, catalogue)
+    assert "methods.yml" in spark_method_settings_errors(settings(), {})[0]
