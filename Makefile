@@ -1,0 +1,66 @@
+# Two entry points for users: `make deploy SPEC_METHOD=mtp` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SPEC_METHOD ?= mtp
+INVENTORY ?= inventory/hosts.yml
+# molecule scenarios run by `make test`, in dependency order
+SCENARIOS ?= preflight model vllm_build serve bench site cluster
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+
+.PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image \
+        bench-merge bench-runner demo clean
+
+# --- set-up ----------------------------------------------------------------
+$(BIN)/.stamp: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt
+	touch $@
+
+setup: $(BIN)/.stamp  ## create .venv with every pinned dependency (quick when done)
+
+# --- the main job ----------------------------------------------------------
+deploy: setup  ## provision this Spark (or the inventory's) for SPEC_METHOD
+	$(BIN)/ansible-playbook -i $(INVENTORY) site.yml -e spec_method=$(SPEC_METHOD) $(ARGS)
+
+check: setup  ## dry run of deploy (check mode, diff)
+	$(BIN)/ansible-playbook -i $(INVENTORY) site.yml -e spec_method=$(SPEC_METHOD) --check --diff $(ARGS)
+
+# --- tests -----------------------------------------------------------------
+test: lint unit contract molecule  ## everything CI runs
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/yamllint -s .
+	$(BIN)/ansible-lint --offline --profile production
+
+unit: setup
+	$(BIN)/python -m pytest tests/unit -q -m "not vllm_contract"
+
+contract-env:
+	bash tests/contract/setup_vllm_env.sh
+
+contract: contract-env
+	.venv-vllm/bin/python -m pytest tests/contract -q -m vllm_contract
+
+testhost-image:
+	bash tests/harness/build_testhost_image.sh
+
+molecule: setup testhost-image
+	set -e; for s in $(SCENARIOS); do echo "=== molecule test -s $$s"; $(BIN)/molecule test -s $$s; done
+
+# --- performance scripts (ratios measured in one run) -----------------------
+bench-merge: setup
+	$(BIN)/python tests/perf/bench_merge.py --size-gb 8 --double
+
+bench-runner: setup
+	$(BIN)/python tests/perf/bench_runner_overhead.py
+
+demo: setup testhost-image  ## try the whole pipeline without a Spark
+	$(BIN)/molecule test -s site
+
+clean:
+	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache

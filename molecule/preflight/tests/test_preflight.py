@@ -1,0 +1,91 @@
+"""Behaviour of the preflight stage on the systemd test host."""
+
+import json
+import time
+
+import pytest
+from playbook_runner import run_playbook, run_playbook_raw_e
+
+FACT = "/etc/ansible/facts.d/spark_preflight.fact"
+METHODS = ["baseline", "ngram", "mtp", "eagle3", "dflash"]
+
+
+def _fact(host):
+    return json.loads(host.file(FACT).content_string)
+
+
+def test_fact_records_what_was_found(host):
+    fact = _fact(host)
+    assert fact["testbed"] is True
+    assert fact["gpu_checks"] == "skipped (test bed)"
+    assert fact["docker_version"]  # the machine's real engine answered through the mounted socket
+    assert fact["nvidia_runtime"] in (True, False)
+    assert fact["memtotal_gib"] > 0
+    assert fact["disk_required_bytes"] > 1_000_000
+    assert fact["architecture"] == host.system_info.arch
+
+
+def test_fact_is_root_owned_and_readable(host):
+    f = host.file(FACT)
+    assert f.user == "root"
+    assert f.mode == 0o644
+
+
+def test_systemd_is_pid1(host):
+    assert host.run("systemctl is-system-running --wait").stdout.strip() in ("running", "degraded")
+
+
+def test_unknown_method_is_rejected_quickly_and_changes_nothing(host):
+    before = host.file(FACT).mtime
+    start = time.monotonic()
+    res = run_playbook_raw_e("site.yml", "spec_method=bogus")
+    assert res.rc != 0
+    assert time.monotonic() - start < 120
+    assert "spec_method" in res.output and "bogus" in res.output
+    for m in METHODS:
+        assert m in res.output
+    assert "Preflight" not in res.output.split("PLAY RECAP")[0].split("Validate")[-1] or "TASK [preflight" not in res.output
+    assert host.file(FACT).mtime == before
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ("spec_num_speculative_tokens=two", "spec_num_speculative_tokens"),
+        ("spec_num_speculative_tokens=2", "spec_num_speculative_tokens"),
+        ("preflight_testbed=false", "preflight_testbed must be a boolean"),
+        ("vllm_gpu_memory_utilization=0.99", "vllm_gpu_memory_utilization"),
+    ],
+)
+def test_wrong_types_and_ranges_are_named(raw, needle):
+    res = run_playbook_raw_e("site.yml", raw, tags="preflight")
+    assert res.rc != 0
+    assert needle in res.output
+    assert "TASK [preflight" not in res.output
+
+
+def test_eagle3_without_drafter_is_rejected():
+    res = run_playbook("site.yml", {"spec_method": "eagle3"}, tags="preflight")
+    assert res.rc != 0
+    assert "spec_eagle3_drafter" in res.output
+
+
+def test_not_a_spark_is_refused_with_a_way_out():
+    res = run_playbook("site.yml", {"preflight_testbed": False}, tags="preflight")
+    assert res.rc != 0
+    assert "is not a DGX Spark" in res.output
+    assert "inventory/examples/remote-spark.yml" in res.output
+    assert "preflight_testbed" in res.output
+
+
+def test_disk_shortage_names_need_and_fix():
+    res = run_playbook("site.yml", {"preflight_disk_margin_bytes": 10**18}, tags="preflight")
+    assert res.rc != 0
+    assert "Not enough disk" in res.output
+    assert "spark_model_root" in res.output
+
+
+def test_too_little_memory_is_refused():
+    res = run_playbook("site.yml", {"preflight_min_memory_gib": 100000}, tags="preflight")
+    assert res.rc != 0
+    assert "128 GB Spark" in res.output
