@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Streaming hybrid merge of an INT4 (AutoRound) and an FP8 checkpoint (standard library only).
+
+Rules (per tensor of every INT4 model shard, i.e. every *.safetensors except the MTP extra file):
+  * the tensor is 16-bit (BF16/F16), its name has no ".experts.", and the FP8 checkpoint holds a
+    tensor of the same name and shape in F8_E4M3 with a "<name minus .weight>.weight_scale_inv"
+    partner -> the FP8 tensor and its scale are written;
+  * otherwise the INT4 tensor is written unchanged.
+  The mtp.* tensors of model_extra_tensors.safetensors are carried over and registered; FP8 copies of
+  mtp.* are never taken. No tensor name appears twice.
+
+Output layout: one output shard per INT4 shard, with the same file name; a replaced tensor takes the
+place of the original one and the scales are appended at the end of that shard. The MTP extra file is
+kept as its own file (model_extra_tensors.safetensors). Non-weight files come from the INT4 directory;
+config.json gains a "sparkllm_provenance" block; model.safetensors.index.json is rebuilt from what was
+written; .sparkllm_merge.json records the input fingerprint so that a rerun on unchanged inputs with a
+valid output is a no-op.
+
+The FP8 directory may be a full FP8 checkpoint (its index decides which files are read) or a small
+extract produced by `fetch_checkpoint.py fp8-extract` (all *.safetensors files are read).
+
+The output is written to <out>.tmp-<pid> (sibling of --out, same filesystem), fsynced and renamed
+into place; leftover temp directories of interrupted runs are removed. Tensors are never decoded:
+byte ranges are copied with os.copy_file_range, so memory stays flat.
+
+Exit codes: 0 ok (or no-op), 1 invalid input or I/O failure, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkllm.checkpoint import (
+    EXTRA_FILE,
+    SOURCE_RECORD,
+    CheckpointError,
+    MergePlan,
+    OutShard,
+    dir_fingerprint,
+    fingerprint_digest,
+    index_for,
+    plan_merge,
+    read_source_record,
+)
+from sparkllm.safetensors_io import (
+    INDEX_NAME,
+    ByteRange,
+    SafetensorsError,
+    TensorSpec,
+    copy_ranges,
+    encode_header,
+    fsync_dir,
+    read_header,
+    write_json_atomic,
+)
+
+RECORD_NAME = ".sparkllm_merge.json"
+PROVENANCE_KEY = "sparkllm_provenance"
+
+
+@dataclass
+class MergeResult:
+    changed: bool
+    out: Path
+    summary: dict[str, object]
+    seconds: float
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="hybrid_merge.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--int4", required=True, type=Path, help="INT4 AutoRound checkpoint directory")
+    p.add_argument("--fp8", required=True, type=Path, help="FP8 checkpoint directory (full or fp8-extract)")
+    p.add_argument("--out", required=True, type=Path, help="output directory (created atomically)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
+    return p.parse_args(argv)
+
+
+def remove_stale_temps(out: Path) -> list[Path]:
+    """Remove <out>.tmp-<pid> siblings whose process is gone."""
+    removed: list[Path] = []
+    if not out.parent.is_dir():
+        return removed
+    for p in out.parent.glob(f"{out.name}.tmp-*"):
+        pid_text = p.name.rsplit("-", 1)[-1]
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and _pid_alive(int(pid_text)):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fingerprint(int4: Path, fp8: Path) -> str:
+    return fingerprint_digest(
+        {"int4": dir_fingerprint(int4), "fp8": dir_fingerprint(fp8), "tool": "hybrid_merge/1"}
+    )
+
+
+def output_is_current(out: Path, digest: str) -> bool:
+    """True when ``out`` was produced from inputs with this fingerprint and still looks intact."""
+    try:
+        record = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("input_fingerprint") != digest:
+        return False
+    files = record.get("outputs")
+    if not isinstance(files, dict):
+        return False
+    for name, meta in files.items():
+        p = out / name
+        try:
+            if p.stat().st_size != meta["size"]:
+                return False
+            if name.endswith(".safetensors") and read_header(p).digest != meta["header_sha256"]:
+                return False
+        except (OSError, KeyError, TypeError, SafetensorsError):
+            return False
+    return True
+
+
+def write_shard(shard: OutShard, path: Path) -> dict[str, object]:
+    header = encode_header(TensorSpec(t.name, t.dtype, t.shape) for t in shard.tensors)
+    with open(path, "wb") as dst:
+        dst.write(header)
+        dst.flush()
+        by_src: list[tuple[Path, list[ByteRange]]] = []
+        for t in shard.tensors:
+            if by_src and by_src[-1][0] == t.src:
+                by_src[-1][1].append(ByteRange(t.offset, t.length))
+            else:
+                by_src.append((t.src, [ByteRange(t.offset, t.length)]))
+        for src, ranges in by_src:
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                copy_ranges(fd, dst.fileno(), ranges)
+            finally:
+                os.close(fd)
+        os.fsync(dst.fileno())
+    h = read_header(path)
+    if h.data_size != shard.data_bytes:
+        raise CheckpointError(f"{path}: wrote {h.data_size} data bytes, expected {shard.data_bytes}")
+    return {"size": h.file_size, "header_sha256": h.digest}
+
+
+def copy_side_files(int4: Path, tmp: Path, plan: MergePlan) -> None:
+    shard_names = {s.name for s in plan.shards}
+    for p in sorted(int4.iterdir()):
+        if p.name in shard_names or p.name == INDEX_NAME or p.suffix == ".safetensors":
+            continue
+        if p.name in (RECORD_NAME, SOURCE_RECORD) or (p.name.startswith(".") and not p.is_file()):
+            continue
+        if p.is_dir():
+            shutil.copytree(p, tmp / p.name)
+        elif p.is_file():
+            shutil.copy2(p, tmp / p.name)
+
+
+def provenance(int4: Path, fp8: Path, plan: MergePlan) -> dict[str, object]:
+    def source(d: Path) -> dict[str, object]:
+        rec = read_source_record(d)
+        return {
+            "path": str(d.resolve()),
+            "repo": rec.get("repo"),
+            "revision": rec.get("commit") or rec.get("revision"),
+        }
+
+    return {
+        "tool": "sparkllm hybrid_merge",
+        "int4": source(int4),
+        "fp8": source(fp8),
+        "counts": plan.summary(),
+        "note": "informational only; quantization_config is the INT4 checkpoint's",
+    }
+
+
+def patch_config(tmp: Path, prov: dict[str, object]) -> None:
+    cfg = tmp / "config.json"
+    if not cfg.is_file():
+        return
+    try:
+        doc = json.loads(cfg.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise CheckpointError(f"{cfg}: invalid JSON ({exc})") from None
+    doc[PROVENANCE_KEY] = prov
+    write_json_atomic(cfg, doc)
+
+
+def execute(plan: MergePlan, int4: Path, fp8: Path, out: Path, digest: str) -> None:
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        outputs: dict[str, object] = {}
+        headers = {}
+        for shard in plan.shards:
+            outputs[shard.name] = write_shard(shard, tmp / shard.name)
+            headers[shard.name] = read_header(tmp / shard.name)
+        copy_side_files(int4, tmp, plan)
+        patch_config(tmp, provenance(int4, fp8, plan))
+        write_json_atomic(tmp / INDEX_NAME, index_for(headers))
+        write_json_atomic(
+            tmp / RECORD_NAME,
+            {
+                "input_fingerprint": digest,
+                "outputs": outputs,
+                "summary": plan.summary(),
+                "created": time.time(),
+            },
+        )
+        fsync_dir(tmp)
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def format_plan(plan: MergePlan) -> str:
+    lines = [f"taken from FP8 ({len(plan.taken)} weights + {len(plan.taken)} scales):"]
+    lines += [f"  {n}" for n in plan.taken]
+    lines.append(f"kept from INT4: {plan.kept} tensors")
+    lines.append(f"MTP registered from {EXTRA_FILE}: {len(plan.mtp)} tensors")
+    lines.append(f"FP8 candidates skipped ({len(plan.skipped)}):")
+    lines += [f"  {s.name}: {s.reason}" for s in plan.skipped]
+    lines.append("output shards: " + ", ".join(f"{s.name} ({len(s.tensors)} tensors)" for s in plan.shards))
+    return "\n".join(lines)
+
+
+def plan_json(plan: MergePlan) -> dict[str, object]:
+    return {
+        "summary": plan.summary(),
+        "taken_from_fp8": plan.taken,
+        "mtp_registered": plan.mtp,
+        "skipped": [{"name": s.name, "reason": s.reason} for s in plan.skipped],
+        "shards": {s.name: [t.name for t in s.tensors] for s in plan.shards},
+    }
+
+
+def run(
+    int4: Path, fp8: Path, out: Path, dry_run: bool = False
+) -> tuple[MergeResult | None, MergePlan | None]:
+    for d, flag in ((int4, "--int4"), (fp8, "--fp8")):
+        if not d.is_dir():
+            raise CheckpointError(f"{d}: {flag} directory does not exist")
+    start = time.monotonic()
+    if not dry_run:
+        remove_stale_temps(out)
+    digest = fingerprint(int4, fp8)
+    if not dry_run and output_is_current(out, digest):
+        rec = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
+        return MergeResult(False, out, rec.get("summary", {}), time.monotonic() - start), None
+    plan = plan_merge(int4, fp8)
+    if dry_run:
+        return None, plan
+    execute(plan, int4, fp8, out, digest)
+    return MergeResult(True, out, plan.summary(), time.monotonic() - start), plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result, plan = run(args.int4, args.fp8, args.out, args.dry_run)
+    except (CheckpointError, SafetensorsError) as exc:
+        print(f"hybrid_merge: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"hybrid_merge: error: {exc}", file=sys.stderr)
+        return 1
+    if result is None:
+        assert plan is not None
+        print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
+        return 0
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "changed": result.changed,
+                    "out": str(result.out),
+                    "seconds": round(result.seconds, 3),
+                    "summary": result.summary,
+                }
+            )
+        )
+    elif result.changed:
+        print(f"merged into {result.out} in {result.seconds:.1f}s: {result.summary}")
+    else:
+        print(f"{result.out} is up to date (inputs unchanged); nothing to do")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,616 @@
+"""Checkpoint logic shared by the scripts and the Ansible module (standard library only).
+
+- merge planning for the hybrid INT4 + FP8 checkpoint (``plan_merge``),
+- MTP index patch (``plan_mtp_patch`` / ``apply_mtp_patch``),
+- verification (``verify_checkpoint``),
+- manifests and input fingerprints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .safetensors_io import (
+    INDEX_NAME,
+    SIXTEEN_BIT,
+    Header,
+    SafetensorsError,
+    TensorInfo,
+    build_index,
+    fsync_dir,
+    read_header,
+    read_index,
+    write_json_atomic,
+)
+
+EXTRA_FILE = "model_extra_tensors.safetensors"
+MTP_PREFIX = "mtp."
+FP8_DTYPE = "F8_E4M3"
+SCALE_SUFFIX = ".weight_scale_inv"
+SOURCE_RECORD = ".sparkllm_source.json"
+MANIFEST_NAME = "sparkllm-manifest.json"
+
+
+class CheckpointError(Exception):
+    """Invalid input checkpoint (message names the file and the problem)."""
+
+
+def scale_name(weight_name: str) -> str:
+    """``x.weight`` -> ``x.weight_scale_inv``."""
+    base = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+    return base + SCALE_SUFFIX
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def is_mtp(name: str) -> bool:
+    return name.startswith(MTP_PREFIX)
+
+
+# ------------------------------------------------------------------ loading
+
+
+@dataclass
+class TensorSource:
+    """Where a tensor lives: its file header and entry."""
+
+    header: Header
+    info: TensorInfo
+
+    @property
+    def file(self) -> str:
+        return self.header.path.name
+
+
+def safetensors_files(directory: Path, use_index: bool = True) -> list[Path]:
+    """Files of a checkpoint: those named by its index when present, else every *.safetensors."""
+    idx = directory / INDEX_NAME
+    if use_index and idx.is_file():
+        index = read_index(idx)
+        files = [directory / f for f in index.files]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{idx}: lists {f.name}, which does not exist")
+        return files
+    return sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+
+
+def load_headers(files: Iterable[Path]) -> dict[str, Header]:
+    out: dict[str, Header] = {}
+    for f in files:
+        try:
+            out[f.name] = read_header(f)
+        except SafetensorsError as exc:
+            raise CheckpointError(str(exc)) from None
+    return out
+
+
+def tensor_table(headers: Mapping[str, Header]) -> dict[str, TensorSource]:
+    table: dict[str, TensorSource] = {}
+    for fname in sorted(headers):
+        h = headers[fname]
+        for name, info in h.tensors.items():
+            if name in table:
+                raise CheckpointError(f"{h.path}: tensor {name!r} is also in {table[name].header.path}")
+            table[name] = TensorSource(h, info)
+    return table
+
+
+# ------------------------------------------------------------------ merge planning
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """A tensor of an output shard: copy ``length`` bytes of ``src`` at ``offset``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    src: Path
+    offset: int
+    length: int
+    origin: str  # "int4" | "fp8" | "fp8-scale" | "mtp"
+
+
+@dataclass
+class OutShard:
+    name: str
+    tensors: list[OutTensor] = field(default_factory=list)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.length for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    name: str
+    reason: str
+
+
+@dataclass
+class MergePlan:
+    shards: list[OutShard]
+    taken: list[str]  # weight names taken from FP8 (each with its scale)
+    kept: int  # INT4 tensors kept unchanged
+    mtp: list[str]
+    skipped: list[Skipped]
+
+    @property
+    def tensor_count(self) -> int:
+        return sum(len(s.tensors) for s in self.shards)
+
+    @property
+    def total_size(self) -> int:
+        return sum(s.data_bytes for s in self.shards)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "taken_from_fp8": len(self.taken),
+            "scales_added": len(self.taken),
+            "kept_from_int4": self.kept,
+            "mtp_registered": len(self.mtp),
+            "fp8_candidates_skipped": len(self.skipped),
+            "tensors": self.tensor_count,
+            "total_size": self.total_size,
+        }
+
+
+def _out(src: TensorSource, origin: str) -> OutTensor:
+    off, length = src.header.absolute(src.info.name)
+    return OutTensor(src.info.name, src.info.dtype, src.info.shape, src.header.path, off, length, origin)
+
+
+def fp8_replacement(int4: TensorInfo, fp8: Mapping[str, TensorSource]) -> tuple[TensorSource | None, str]:
+    """(scale source, "") when the FP8 tensor of the same name replaces ``int4``, else (None, reason)."""
+    cand = fp8.get(int4.name)
+    if cand is None or cand.info.dtype != FP8_DTYPE:
+        return None, "no FP8 tensor"
+    if is_expert(int4.name):
+        return None, "expert"
+    if int4.dtype not in SIXTEEN_BIT:
+        return None, f"INT4 tensor is {int4.dtype}, not 16-bit"
+    if cand.info.shape != int4.shape:
+        return None, f"shape mismatch (INT4 {list(int4.shape)}, FP8 {list(cand.info.shape)})"
+    scale = fp8.get(scale_name(int4.name))
+    if scale is None:
+        return None, f"no scale ({scale_name(int4.name)} missing)"
+    return scale, ""
+
+
+def _skip_reason_without_int4(name: str, int4_names: set[str]) -> str | None:
+    if is_mtp(name):
+        return "mtp (taken from the INT4 extra file)"
+    if name in int4_names:
+        return None
+    if is_expert(name):
+        return "expert"
+    return "no INT4 tensor of that name"
+
+
+def plan_merge(int4_dir: Path, fp8_dir: Path, extra_file: str = EXTRA_FILE) -> MergePlan:
+    """Plan the hybrid merge; validates every input header (raises ``CheckpointError``)."""
+    int4_files = [p for p in safetensors_files(int4_dir, use_index=False) if p.name != extra_file]
+    if not int4_files:
+        raise CheckpointError(f"{int4_dir}: no *.safetensors model shards found")
+    int4_headers = load_headers(int4_files)
+    int4 = tensor_table(int4_headers)
+    extra_path = int4_dir / extra_file
+    mtp_header = load_headers([extra_path])[extra_file] if extra_path.is_file() else None
+    fp8_headers = load_headers(safetensors_files(fp8_dir))
+    if not fp8_headers:
+        raise CheckpointError(f"{fp8_dir}: no *.safetensors files found")
+    fp8 = tensor_table(fp8_headers)
+
+    shards: list[OutShard] = []
+    taken: list[str] = []
+    skipped: list[Skipped] = []
+    kept = 0
+    for fname in sorted(int4_headers):
+        shard = OutShard(fname)
+        scales: list[OutTensor] = []
+        for info in int4_headers[fname].tensors.values():
+            scale, reason = fp8_replacement(info, fp8)
+            if scale is not None:
+                shard.tensors.append(_out(fp8[info.name], "fp8"))
+                scales.append(_out(scale, "fp8-scale"))
+                taken.append(info.name)
+            else:
+                if reason not in ("no FP8 tensor",):
+                    skipped.append(Skipped(info.name, reason))
+                shard.tensors.append(_out(int4[info.name], "int4"))
+                kept += 1
+        shard.tensors.extend(scales)
+        shards.append(shard)
+
+    int4_names = set(int4)
+    mtp_names: list[str] = []
+    if mtp_header is not None:
+        shard = OutShard(extra_file)
+        for name in mtp_header.tensors:
+            if name in int4:
+                raise CheckpointError(f"{extra_path}: tensor {name!r} is also in {int4[name].header.path}")
+            shard.tensors.append(_out(TensorSource(mtp_header, mtp_header.tensors[name]), "mtp"))
+            mtp_names.append(name)
+        shards.append(shard)
+
+    taken_set = set(taken)
+    scale_names = {scale_name(n) for n in taken}
+    for name, src in fp8.items():
+        if src.info.dtype != FP8_DTYPE or name in taken_set or name in scale_names:
+            continue
+        reason = _skip_reason_without_int4(name, int4_names)
+        if reason is not None:
+            skipped.append(Skipped(name, reason))
+    skipped.sort(key=lambda s: s.name)
+    out_names: set[str] = set()
+    for s in shards:
+        for t in s.tensors:
+            if t.name in out_names:
+                raise CheckpointError(f"{int4_dir}: tensor {t.name!r} would appear twice in the output")
+            out_names.add(t.name)
+    return MergePlan(shards=shards, taken=taken, kept=kept, mtp=mtp_names, skipped=skipped)
+
+
+# ------------------------------------------------------------------ fingerprints and manifests
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dir_fingerprint(directory: Path) -> dict[str, object]:
+    """Cheap identity of a directory's files: names, sizes, mtimes, safetensors header digests."""
+    files: dict[str, object] = {}
+    for p in sorted(directory.iterdir()):
+        if not p.is_file() or p.name.startswith(".sparkllm_merge"):
+            continue
+        st = p.stat()
+        entry: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if p.suffix == ".safetensors":
+            try:
+                entry["header_sha256"] = read_header(p).digest
+            except SafetensorsError:
+                entry["header_sha256"] = "invalid"
+        files[p.name] = entry
+    return {"path": str(directory.resolve()), "files": files}
+
+
+def fingerprint_digest(doc: object) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    name: str
+    size: int
+    sha256: str | None = None
+
+
+def build_manifest(directory: Path, with_sha256: bool = True) -> list[ManifestEntry]:
+    """Every regular file under ``directory`` (relative POSIX names), skipping the manifest itself."""
+    entries: list[ManifestEntry] = []
+    for p in sorted(directory.rglob("*")):
+        if not p.is_file() or p.name == MANIFEST_NAME or ".incomplete" in p.name:
+            continue
+        rel = p.relative_to(directory).as_posix()
+        entries.append(ManifestEntry(rel, p.stat().st_size, sha256_file(p) if with_sha256 else None))
+    return entries
+
+
+def manifest_doc(entries: Iterable[ManifestEntry]) -> dict[str, object]:
+    return {"version": 1, "files": [asdict(e) for e in entries]}
+
+
+def read_manifest(path: Path) -> list[ManifestEntry]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        files = doc["files"]
+        entries = [ManifestEntry(str(f["name"]), int(f["size"]), f.get("sha256")) for f in files]
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read manifest ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: invalid manifest ({exc})") from None
+    for e in entries:
+        if e.name.startswith("/") or ".." in Path(e.name).parts:
+            raise CheckpointError(f"{path}: unsafe file name in manifest: {e.name!r}")
+    return entries
+
+
+# ------------------------------------------------------------------ MTP index patch
+
+
+@dataclass
+class MtpPatchResult:
+    changed: bool
+    added: int
+    copied: bool
+    linked: bool
+    total_size_before: int | None
+    total_size_after: int
+    entries_before: int
+    entries_after: int
+    mtp_tensors: int
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def diff(self) -> dict[str, str]:
+        def text(entries: int, total: int | None, present: bool) -> str:
+            return f"weight_map entries: {entries}\ntotal_size: {total}\n{EXTRA_FILE} present: {present}\n"
+
+        return {
+            "before": text(self.entries_before, self.total_size_before, not self.copied),
+            "after": text(self.entries_after, self.total_size_after, True),
+        }
+
+
+def _index_doc(target: Path) -> dict[str, object]:
+    idx = target / INDEX_NAME
+    if not idx.is_file():
+        raise CheckpointError(f"{idx}: index missing; the target must be a sharded checkpoint with an index")
+    read_index(idx)  # validate
+    return json.loads(idx.read_text(encoding="utf-8"))
+
+
+def _total_size(target: Path, weight_map: Mapping[str, str], extra: tuple[str, Header]) -> int:
+    total = 0
+    for fname in sorted(set(weight_map.values())):
+        header = extra[1] if fname == extra[0] else None
+        if header is None:
+            path = target / fname
+            if not path.is_file():
+                raise CheckpointError(f"{target / INDEX_NAME}: lists {fname}, which does not exist")
+            try:
+                header = read_header(path)
+            except SafetensorsError as exc:
+                raise CheckpointError(str(exc)) from None
+        total += sum(t.nbytes for t in header.tensors.values())
+    return total
+
+
+def plan_mtp_patch(source: Path, target: Path, extra_file: str = EXTRA_FILE) -> tuple[MtpPatchResult, dict]:
+    """What the patch would do, and the new index document (not written)."""
+    src_extra = source / extra_file
+    if not src_extra.is_file():
+        raise CheckpointError(
+            f"{src_extra}: MTP extra file missing; download the INT4 checkpoint completely "
+            f"(it must contain {extra_file})"
+        )
+    try:
+        header = read_header(src_extra)
+    except SafetensorsError as exc:
+        raise CheckpointError(str(exc)) from None
+    names = [n for n in header.tensors if is_mtp(n)]
+    if not names:
+        raise CheckpointError(f"{src_extra}: holds no mtp.* tensors")
+    tgt_extra = target / extra_file
+    copy_needed = True
+    if tgt_extra.is_file():
+        try:
+            copy_needed = read_header(tgt_extra).digest != header.digest or (
+                tgt_extra.stat().st_size != header.file_size
+            )
+        except SafetensorsError:
+            copy_needed = True
+    doc = _index_doc(target)
+    wm: dict[str, str] = dict(doc["weight_map"])  # type: ignore[arg-type]
+    meta = dict(doc.get("metadata") or {})  # type: ignore[arg-type]
+    before_total = meta.get("total_size")
+    entries_before = len(wm)
+    added = sum(1 for n in names if n not in wm)
+    for n in names:
+        wm[n] = extra_file
+    # Names claimed by the extra file but no longer in it would break loading: drop them.
+    for n in [k for k, v in wm.items() if v == extra_file and k not in header.tensors]:
+        del wm[n]
+    total = _total_size(target, wm, (extra_file, header))
+    meta["total_size"] = total
+    new_doc = dict(doc)
+    new_doc["metadata"] = meta
+    new_doc["weight_map"] = dict(sorted(wm.items()))
+    index_changed = new_doc["weight_map"] != doc["weight_map"] or before_total != total
+    result = MtpPatchResult(
+        changed=index_changed or copy_needed,
+        added=added,
+        copied=copy_needed,
+        linked=False,
+        total_size_before=before_total if isinstance(before_total, int) else None,
+        total_size_after=total,
+        entries_before=entries_before,
+        entries_after=len(wm),
+        mtp_tensors=len(names),
+    )
+    return result, new_doc
+
+
+def place_file(src: Path, dst: Path) -> bool:
+    """Hard-link (same filesystem) or copy ``src`` to ``dst`` atomically; True when linked."""
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    linked = False
+    try:
+        try:
+            os.link(src, tmp)
+            linked = True
+        except OSError:
+            with open(src, "rb") as fi, open(tmp, "wb") as fo:
+                shutil.copyfileobj(fi, fo, 1 << 22)
+                fo.flush()
+                os.fsync(fo.fileno())
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(dst.parent)
+    return linked
+
+
+def apply_mtp_patch(source: Path, target: Path, extra_file: str = EXTRA_FILE) -> MtpPatchResult:
+    result, new_doc = plan_mtp_patch(source, target, extra_file)
+    if result.copied:
+        result.linked = place_file(source / extra_file, target / extra_file)
+    if result.changed:
+        write_json_atomic(target / INDEX_NAME, new_doc)
+    return result
+
+
+# ------------------------------------------------------------------ verification
+
+
+def block_range(n: int, s: int) -> tuple[int, float] | None:
+    """Block sizes b with ceil(n / b) == s, as [lo, hi] (hi may be inf); None if impossible."""
+    if n == 0 or s <= 0:
+        return (1, math.inf) if n == 0 and s == 0 else None
+    lo = -(-n // s)
+    hi: float = math.inf if s == 1 else -(-n // (s - 1)) - 1
+    if lo > hi or -(-n // lo) != s:
+        return None
+    return lo, hi
+
+
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)
+    tensors: int = 0
+    files: int = 0
+    fp8_weights: int = 0
+    mtp_tensors: int = 0
+    block_size: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_fp8_scales(table: Mapping[str, TensorSource], report: VerifyReport) -> None:
+    lo: float = 1
+    hi: float = math.inf
+    for name, src in sorted(table.items()):
+        if src.info.dtype != FP8_DTYPE or not name.endswith(".weight"):
+            continue
+        report.fp8_weights += 1
+        scale = table.get(scale_name(name))
+        if scale is None:
+            report.problems.append(f"{src.file}: FP8 weight {name} has no {scale_name(name)} partner")
+            continue
+        w, s = src.info.shape, scale.info.shape
+        if len(w) != len(s):
+            report.problems.append(
+                f"{scale.file}: {scale.info.name} shape {list(s)} rank differs from {list(w)}"
+            )
+            continue
+        for n, k in zip(w, s, strict=True):
+            r = block_range(n, k)
+            if r is None:
+                report.problems.append(
+                    f"{scale.file}: {scale.info.name} shape {list(s)} fits no block size for weight {list(w)}"
+                )
+                break
+            lo, hi = max(lo, r[0]), min(hi, r[1])
+    if report.fp8_weights and lo > hi:
+        report.problems.append("FP8 scale shapes do not share one block size across the checkpoint")
+    elif report.fp8_weights and lo <= hi:
+        report.block_size = 128 if lo <= 128 <= hi else int(lo)
+
+
+def verify_checkpoint(directory: Path, expect_mtp: bool = False, expect_hybrid: bool = False) -> VerifyReport:
+    report = VerifyReport()
+    idx_path = directory / INDEX_NAME
+    files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    report.files = len(files)
+    headers: dict[str, Header] = {}
+    for f in files:
+        try:
+            headers[f.name] = read_header(f)
+        except SafetensorsError as exc:
+            report.problems.append(str(exc))
+    if not files:
+        report.problems.append(f"{directory}: no *.safetensors files")
+    index = None
+    if idx_path.is_file():
+        try:
+            index = read_index(idx_path)
+        except SafetensorsError as exc:
+            report.problems.append(str(exc))
+    elif len(files) > 1:
+        report.problems.append(f"{idx_path}: missing (more than one safetensors file)")
+    listed: set[str] = set(index.files) if index else {f.name for f in files}
+    if index:
+        for fname in index.files:
+            if fname not in headers and not (directory / fname).is_file():
+                report.problems.append(f"{idx_path}: lists {fname}, which does not exist")
+        for name, fname in sorted(index.weight_map.items()):
+            h = headers.get(fname)
+            if h is not None and name not in h.tensors:
+                report.problems.append(f"{idx_path}: {name} mapped to {fname}, which does not hold it")
+        for fname, h in sorted(headers.items()):
+            if fname not in listed:
+                report.problems.append(f"{directory / fname}: present but not listed in {INDEX_NAME}")
+                continue
+            for name in h.tensors:
+                mapped = index.weight_map.get(name)
+                if mapped is None:
+                    report.problems.append(f"{directory / fname}: tensor {name} not in weight_map")
+                elif mapped != fname:
+                    report.problems.append(f"{directory / fname}: tensor {name} mapped to {mapped} instead")
+        expected = sum(t.nbytes for f, h in headers.items() if f in listed for t in h.tensors.values())
+        if index.total_size != expected:
+            report.problems.append(
+                f"{idx_path}: metadata.total_size {index.total_size} != sum of tensor bytes {expected}"
+            )
+    try:
+        table = tensor_table({f: h for f, h in headers.items() if f in listed})
+    except CheckpointError as exc:
+        report.problems.append(str(exc))
+        table = {}
+    report.tensors = len(table)
+    mtp_registered = [n for n in (index.weight_map if index else table) if is_mtp(n)]
+    report.mtp_tensors = len(mtp_registered)
+    if expect_mtp:
+        extra = headers.get(EXTRA_FILE)
+        if not mtp_registered:
+            report.problems.append(f"{idx_path}: no mtp.* tensors registered (expected MTP head)")
+        if extra is not None and index is not None:
+            missing = [n for n in extra.tensors if is_mtp(n) and n not in index.weight_map]
+            if missing:
+                report.problems.append(
+                    f"{idx_path}: {len(missing)} mtp.* tensors of {EXTRA_FILE} not registered"
+                )
+    _check_fp8_scales(table, report)
+    if expect_hybrid:
+        if report.fp8_weights == 0:
+            report.problems.append(f"{directory}: no F8_E4M3 weights (expected a hybrid checkpoint)")
+        for name, src in sorted(table.items()):
+            if src.info.dtype == FP8_DTYPE and is_expert(name):
+                report.problems.append(f"{src.file}: expert tensor {name} is FP8 (hybrid keeps experts INT4)")
+    return report
+
+
+def read_source_record(directory: Path) -> dict[str, object]:
+    """The ``.sparkllm_source.json`` written by fetch_checkpoint.py, or {}."""
+    p = directory / SOURCE_RECORD
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def index_for(headers: Mapping[str, Header]) -> dict[str, object]:
+    try:
+        return build_index(headers)
+    except SafetensorsError as exc:
+        raise CheckpointError(str(exc)) from None

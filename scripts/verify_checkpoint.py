@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Verify a safetensors checkpoint directory (standard library only).
+
+Checks: every *.safetensors file is valid (header length <= 100 MB, JSON, contiguous offsets from 0,
+byte lengths match dtype x shape, exact file size); model.safetensors.index.json and the files agree
+both ways (every listed tensor is in the named file, every tensor of every listed file is listed,
+files present but not listed are problems); metadata.total_size equals the sum of tensor bytes;
+with --expect-mtp the mtp.* tensors are registered (all of model_extra_tensors.safetensors when
+present); every F8_E4M3 weight has a *.weight_scale_inv partner whose shape is
+(ceil(rows/b), ceil(cols/b)) for one block size b shared across the checkpoint; with
+--expect-hybrid at least one FP8 weight exists and no FP8 tensor is under ".experts.".
+
+Exit codes: 0 valid, 1 invalid (one line per problem on stdout, or JSON with --json), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sparkllm.checkpoint import verify_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="verify_checkpoint.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dir", type=Path, help="checkpoint directory")
+    p.add_argument("--expect-mtp", action="store_true", help="require registered mtp.* tensors")
+    p.add_argument("--expect-hybrid", action="store_true", help="require FP8 weights, none under .experts.")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+    a = p.parse_args(argv)
+    if not a.dir.is_dir():
+        print(f"{a.dir}: not a directory", file=sys.stderr)
+        return 1
+    r = verify_checkpoint(a.dir, expect_mtp=a.expect_mtp, expect_hybrid=a.expect_hybrid)
+    if a.json:
+        print(
+            json.dumps(
+                {
+                    "ok": r.ok,
+                    "problems": r.problems,
+                    "files": r.files,
+                    "tensors": r.tensors,
+                    "fp8_weights": r.fp8_weights,
+                    "mtp_tensors": r.mtp_tensors,
+                    "block_size": r.block_size,
+                }
+            )
+        )
+    elif r.ok:
+        print(
+            f"{a.dir}: ok ({r.files} files, {r.tensors} tensors, {r.fp8_weights} FP8 weights, "
+            f"block {r.block_size}, {r.mtp_tensors} mtp tensors)"
+        )
+    else:
+        for line in r.problems:
+            print(line)
+    return 0 if r.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
