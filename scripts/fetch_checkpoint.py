@@ -1,0 +1,616 @@
+#!/usr/bin/env python3
+"""Fetch checkpoints from the Hugging Face Hub or a local mirror, verified.
+
+Subcommands:
+  hub --repo R --revision REV --dest DIR [--include GLOB ...] [--token-file F] [--endpoint URL]
+      Download files of a Hub repo (huggingface_hub, resumable, progress) and verify each file's
+      size and sha256 (git blob sha1 for small non-LFS files) against the Hub's file metadata.
+  full --repo R --revision REV --dest DIR [...]
+      `hub` for the whole FP8 checkpoint (*.safetensors shards + *.json), sha256-verified.
+  fp8-extract --repo R --revision REV --dest FILE [--pattern REGEX] [--token-file F] [--endpoint URL]
+      Read the FP8 checkpoint's index and shard headers remotely with HTTP Range requests on
+      {endpoint}/{repo}/resolve/{revision}/{file}, select the non-expert F8_E4M3 weights whose name
+      matches --pattern (default "shared_expert"; mtp.* excluded) and their *.weight_scale_inv
+      partners, fetch only those byte ranges (coalesced; each response must be 206 with exactly the
+      requested range and length) and write FILE atomically, plus model.safetensors.index.json and
+      .sparkllm_source.json (provenance) next to it.
+  mirror --src DIR --dest DIR
+      Copy from a local/mounted mirror, verifying every file against the mirror's
+      sparkllm-manifest.json (name, size, sha256). Temp file + rename per file.
+  manifest DIR [--no-sha256]
+      Write DIR/sparkllm-manifest.json for use as a mirror.
+
+Every mode checks free disk space before transferring (needed bytes + 1 GiB/2 % margin).
+Token: --token-file F or the HF_TOKEN environment variable; it is sent only as an Authorization
+header and never printed or written. Endpoint: --endpoint, else HF_ENDPOINT, else
+https://huggingface.co. A finished destination is recorded in DIR/.sparkllm_source.json; reruns
+skip files that are already complete and verified.
+
+Exit codes: 0 ok, 1 failure (message names the file and the problem), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from sparkllm.checkpoint import (
+    FP8_DTYPE,
+    MANIFEST_NAME,
+    SOURCE_RECORD,
+    CheckpointError,
+    ManifestEntry,
+    build_manifest,
+    is_expert,
+    is_mtp,
+    manifest_doc,
+    read_manifest,
+    scale_name,
+)
+from sparkllm.safetensors_io import (
+    INDEX_NAME,
+    MAX_HEADER_BYTES,
+    ByteRange,
+    Header,
+    SafetensorsError,
+    TensorSpec,
+    check_header_len,
+    coalesce,
+    encode_header,
+    fsync_dir,
+    parse_header_bytes,
+    read_header,
+    write_json_atomic,
+)
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+CHUNK = 1 << 20
+MARGIN_BYTES = 1 << 30
+MARGIN_FRACTION = 0.02
+CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+class FetchError(Exception):
+    """A download or verification failed; the message names the file and the problem."""
+
+
+# ------------------------------------------------------------------ shared helpers
+
+
+def read_token(token_file: Path | None) -> str | None:
+    if token_file is not None:
+        try:
+            token = token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise FetchError(f"{token_file}: cannot read token file ({exc.strerror})") from None
+        if not token:
+            raise FetchError(f"{token_file}: token file is empty")
+        return token
+    return os.environ.get("HF_TOKEN") or None
+
+
+def endpoint_of(arg: str | None) -> str:
+    return (arg or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def check_disk_space(dest_dir: Path, needed: int) -> None:
+    """Refuse when ``needed`` bytes plus a margin do not fit on ``dest_dir``'s filesystem."""
+    probe = dest_dir
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    want = needed + MARGIN_BYTES + int(needed * MARGIN_FRACTION)
+    if needed > 0 and want > free:
+        raise FetchError(
+            f"{dest_dir}: not enough disk space: need {gib(want)} ({gib(needed)} + margin), "
+            f"{gib(free)} free; free up space or choose a --dest on a larger filesystem"
+        )
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK * 4):
+            h.update(block)
+    return h.hexdigest()
+
+
+def git_blob_sha1(path: Path) -> str:
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(f"blob {path.stat().st_size}\0".encode())
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK * 4):
+            h.update(block)
+    return h.hexdigest()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ remote (HTTP Range) access
+
+
+@dataclass
+class Remote:
+    endpoint: str
+    repo: str
+    revision: str
+    token: str | None = None
+    timeout: float = 60.0
+    bytes_received: int = 0
+    commit: str | None = None
+
+    def url(self, file: str) -> str:
+        return f"{self.endpoint}/{self.repo}/resolve/{quote(self.revision, safe='')}/{quote(file)}"
+
+    def _open(self, file: str, rng: tuple[int, int] | None) -> Any:
+        req = urllib.request.Request(self.url(file))
+        if rng is not None:
+            req.add_header("Range", f"bytes={rng[0]}-{rng[0] + rng[1] - 1}")
+        if self.token:
+            # unredirected: never forwarded to the CDN a resolve URL redirects to
+            req.add_unredirected_header("Authorization", f"Bearer {self.token}")
+        try:
+            resp = urllib.request.urlopen(req, timeout=self.timeout)  # noqa: S310 - https endpoint
+        except urllib.error.HTTPError as exc:
+            hint = " (gated or private repo: provide a token)" if exc.code in (401, 403) else ""
+            raise FetchError(f"{self.repo}/{file}@{self.revision}: HTTP {exc.code}{hint}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise FetchError(f"{self.repo}/{file}@{self.revision}: {exc}") from None
+        self.commit = self.commit or resp.headers.get("X-Repo-Commit")
+        return resp
+
+    def get(self, file: str) -> bytes:
+        with self._open(file, None) as resp:
+            body = resp.read()
+        self.bytes_received += len(body)
+        return body
+
+    def stream_range(self, file: str, offset: int, length: int, sink: Callable[[bytes], None]) -> int | None:
+        """Feed exactly ``length`` bytes at ``offset`` to ``sink``; returns the remote file size."""
+        with self._open(file, (offset, length)) as resp:
+            where = f"{self.repo}/{file}@{self.revision} bytes {offset}+{length}"
+            if resp.status != 206:
+                raise FetchError(f"{where}: expected HTTP 206 for a range request, got {resp.status}")
+            m = CONTENT_RANGE_RE.match(resp.headers.get("Content-Range", ""))
+            if m is None or int(m.group(1)) != offset or int(m.group(2)) != offset + length - 1:
+                raise FetchError(f"{where}: wrong Content-Range {resp.headers.get('Content-Range')!r}")
+            got = 0
+            while got < length:
+                block = resp.read(min(CHUNK, length - got))
+                if not block:
+                    break
+                sink(block)
+                got += len(block)
+            self.bytes_received += got
+            if got != length or resp.read(1):
+                raise FetchError(f"{where}: short or long body ({got} bytes received, {length} requested)")
+            return int(m.group(3)) if m.group(3) != "*" else None
+
+    def get_range(self, file: str, offset: int, length: int) -> tuple[bytes, int | None]:
+        parts: list[bytes] = []
+        size = self.stream_range(file, offset, length, parts.append)
+        return b"".join(parts), size
+
+
+def remote_header(remote: Remote, file: str) -> Header:
+    head, size = remote.get_range(file, 0, 8)
+    header_len = int.from_bytes(head, "little")
+    try:
+        check_header_len(Path(file), header_len, size)
+        raw, _ = remote.get_range(file, 8, header_len)
+        return parse_header_bytes(Path(file), raw, header_len, size)
+    except SafetensorsError as exc:
+        raise FetchError(f"{remote.repo}/{exc}") from None
+
+
+def remote_index(remote: Remote) -> dict[str, str]:
+    try:
+        doc = json.loads(remote.get(INDEX_NAME))
+        wm = doc["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FetchError(f"{remote.repo}/{INDEX_NAME}: invalid index ({exc})") from None
+    return dict(wm)
+
+
+# ------------------------------------------------------------------ fp8-extract
+
+
+@dataclass(frozen=True)
+class Selected:
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute offset in the remote file
+    length: int
+
+
+@dataclass
+class Selection:
+    tensors: list[Selected] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.length for t in self.tensors)
+
+
+def wanted_weight(name: str, pattern: re.Pattern[str]) -> bool:
+    return (
+        name.endswith(".weight") and not is_expert(name) and not is_mtp(name) and bool(pattern.search(name))
+    )
+
+
+def select_tensors(remote: Remote, pattern: re.Pattern[str]) -> Selection:
+    wm = remote_index(remote)
+    weights = [n for n in wm if wanted_weight(n, pattern)]
+    files = sorted({wm[n] for n in weights} | {wm[scale_name(n)] for n in weights if scale_name(n) in wm})
+    headers = {f: remote_header(remote, f) for f in files}
+    sel = Selection()
+    for name in sorted(weights):
+        h = headers[wm[name]]
+        info = h.tensors.get(name)
+        if info is None:
+            raise FetchError(f"{remote.repo}/{wm[name]}: index lists {name} but the header lacks it")
+        if info.dtype != FP8_DTYPE:
+            sel.skipped[name] = f"dtype {info.dtype}, not {FP8_DTYPE}"
+            continue
+        sname = scale_name(name)
+        sfile = wm.get(sname)
+        sinfo = headers[sfile].tensors.get(sname) if sfile else None
+        if sinfo is None:
+            sel.skipped[name] = "no weight_scale_inv partner"
+            continue
+        for fname, t in ((wm[name], info), (sfile, sinfo)):
+            off, length = headers[fname].absolute(t.name)
+            sel.tensors.append(Selected(t.name, fname, t.dtype, t.shape, off, length))
+    sel.tensors.sort(key=lambda t: (t.file, t.offset))
+    return sel
+
+
+def fetch_selection(remote: Remote, sel: Selection, dest: Path) -> Header:
+    tmp = dest.with_name(f".{dest.name}.incomplete-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(encode_header(TensorSpec(t.name, t.dtype, t.shape) for t in sel.tensors))
+            for file in sorted({t.file for t in sel.tensors}):
+                ranges = [ByteRange(t.offset, t.length) for t in sel.tensors if t.file == file]
+                for r in coalesce(ranges):
+                    remote.stream_range(file, r.offset, r.length, out.write)
+                log(f"fetched {sum(x.length for x in ranges)} bytes from {file}")
+            out.flush()
+            os.fsync(out.fileno())
+        header = read_header(tmp)
+        if header.data_size != sel.nbytes:
+            raise FetchError(f"{dest}: wrote {header.data_size} data bytes, expected {sel.nbytes}")
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return read_header(dest)
+
+
+def fp8_extract(remote: Remote, dest: Path, pattern: str) -> dict[str, object]:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    record_path = dest.parent / SOURCE_RECORD
+    old = _read_json(record_path)
+    if dest.is_file() and old.get("repo") == remote.repo and old.get("revision") == remote.revision:
+        try:
+            if old.get("pattern") == pattern and read_header(dest).digest == old.get("header_sha256"):
+                return {"changed": False, **old}
+        except SafetensorsError:
+            pass
+    sel = select_tensors(remote, re.compile(pattern))
+    if not sel.tensors:
+        raise FetchError(f"{remote.repo}@{remote.revision}: no FP8 tensors with scales match {pattern!r}")
+    check_disk_space(dest.parent, sel.nbytes + MAX_HEADER_BYTES // 100)
+    header = fetch_selection(remote, sel, dest)
+    write_json_atomic(
+        dest.parent / INDEX_NAME,
+        {"metadata": {"total_size": sel.nbytes}, "weight_map": {t.name: dest.name for t in sel.tensors}},
+    )
+    record = {
+        "repo": remote.repo,
+        "revision": remote.revision,
+        "commit": remote.commit,
+        "mode": "fp8-extract",
+        "pattern": pattern,
+        "file": dest.name,
+        "tensors": len(sel.tensors),
+        "bytes": sel.nbytes,
+        "header_sha256": header.digest,
+        "skipped": sel.skipped,
+        "fetched_at": int(time.time()),
+    }
+    write_json_atomic(record_path, record)
+    return {"changed": True, **record}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+# ------------------------------------------------------------------ hub (huggingface_hub)
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str
+    size: int
+    sha256: str | None  # LFS files
+    blob_sha1: str | None  # git blob id (non-LFS files)
+
+
+class HubClient(Protocol):
+    def list_files(self) -> list[RemoteFile]: ...
+    def download(self, name: str, dest_dir: Path) -> Path: ...
+    def commit(self) -> str | None: ...
+
+
+@dataclass
+class HfHubClient:
+    """huggingface_hub-backed client (imported lazily; only hub/full modes need it)."""
+
+    repo: str
+    revision: str
+    endpoint: str
+    token: str | None
+
+    def _api(self) -> Any:
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=self.endpoint, token=self.token)
+
+    def list_files(self) -> list[RemoteFile]:
+        api = self._api()
+        names = api.list_repo_files(self.repo, revision=self.revision)
+        out = []
+        for info in api.get_paths_info(self.repo, names, revision=self.revision, expand=True):
+            if getattr(info, "size", None) is None:
+                continue  # folders
+            lfs = getattr(info, "lfs", None)
+            out.append(
+                RemoteFile(info.path, info.size, lfs.sha256 if lfs else None, getattr(info, "blob_id", None))
+            )
+        return out
+
+    def download(self, name: str, dest_dir: Path) -> Path:
+        from huggingface_hub import hf_hub_download
+
+        return Path(
+            hf_hub_download(
+                self.repo,
+                name,
+                revision=self.revision,
+                local_dir=dest_dir,
+                token=self.token,
+                endpoint=self.endpoint,
+            )
+        )
+
+    def commit(self) -> str | None:
+        return getattr(self._api().model_info(self.repo, revision=self.revision), "sha", None)
+
+
+def verify_file(path: Path, rf: RemoteFile) -> None:
+    size = path.stat().st_size
+    if size != rf.size:
+        raise FetchError(f"{path}: size {size} != Hub size {rf.size}")
+    if rf.sha256 and sha256_of(path) != rf.sha256:
+        raise FetchError(
+            f"{path}: sha256 differs from the Hub's ({rf.sha256}); file deleted, rerun to refetch"
+        )
+    if not rf.sha256 and rf.blob_sha1 and git_blob_sha1(path) != rf.blob_sha1:
+        raise FetchError(f"{path}: git blob id differs from the Hub's ({rf.blob_sha1}); file deleted, rerun")
+
+
+def hub_fetch(
+    client: HubClient, repo: str, revision: str, dest: Path, include: list[str]
+) -> dict[str, object]:
+    files = [
+        f for f in client.list_files() if not include or any(fnmatch.fnmatch(f.name, g) for g in include)
+    ]
+    if not files:
+        raise FetchError(f"{repo}@{revision}: no files match {include}")
+    dest.mkdir(parents=True, exist_ok=True)
+    record_path = dest / SOURCE_RECORD
+    record = _read_json(record_path)
+    verified: dict[str, Any] = record.get("verified", {}) if record.get("revision") == revision else {}
+
+    def done(rf: RemoteFile) -> bool:
+        p = dest / rf.name
+        v = verified.get(rf.name)
+        return (
+            p.is_file()
+            and isinstance(v, dict)
+            and v.get("size") == rf.size == p.stat().st_size
+            and v.get("mtime_ns") == p.stat().st_mtime_ns
+        )
+
+    todo = [f for f in files if not done(f)]
+    check_disk_space(dest, sum(f.size for f in todo))
+    for k, rf in enumerate(todo, 1):
+        log(f"[{k}/{len(todo)}] {repo}/{rf.name} ({gib(rf.size)})")
+        path = client.download(rf.name, dest)
+        try:
+            verify_file(path, rf)
+        except FetchError:
+            path.unlink(missing_ok=True)
+            raise
+        verified[rf.name] = {"size": rf.size, "sha256": rf.sha256, "mtime_ns": path.stat().st_mtime_ns}
+        write_json_atomic(record_path, {"repo": repo, "revision": revision, "verified": verified})
+    commit = client.commit() if todo else record.get("commit")
+    out = {"repo": repo, "revision": revision, "commit": commit, "mode": "hub", "verified": verified}
+    write_json_atomic(record_path, out)
+    return {"changed": bool(todo), "files": len(files), "downloaded": len(todo), "commit": commit}
+
+
+# ------------------------------------------------------------------ mirror
+
+
+def copy_verified(src: Path, dst: Path, entry: ManifestEntry) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.incomplete-{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+            while block := fi.read(CHUNK * 4):
+                h.update(block)
+                fo.write(block)
+            fo.flush()
+            os.fsync(fo.fileno())
+        size = tmp.stat().st_size
+        if size != entry.size:
+            raise FetchError(
+                f"{src}: size {size} != manifest size {entry.size} (corrupt or incomplete mirror)"
+            )
+        if entry.sha256 and h.hexdigest() != entry.sha256:
+            raise FetchError(f"{src}: sha256 differs from {MANIFEST_NAME} (corrupt mirror file)")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:
+    manifest_path = src / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise FetchError(
+            f"{manifest_path}: mirror manifest missing; create it with `fetch_checkpoint.py manifest {src}`"
+        )
+    try:
+        entries = read_manifest(manifest_path)
+    except CheckpointError as exc:
+        raise FetchError(str(exc)) from None
+    dest.mkdir(parents=True, exist_ok=True)
+    record_path = dest / SOURCE_RECORD
+    record = _read_json(src / SOURCE_RECORD)
+    state = _read_json(dest / ".sparkllm_mirror.json")
+
+    def done(e: ManifestEntry) -> bool:
+        p = dest / e.name
+        s = state.get(e.name)
+        return (
+            p.is_file()
+            and isinstance(s, dict)
+            and s.get("sha256") == e.sha256
+            and (s.get("size") == e.size == p.stat().st_size and s.get("mtime_ns") == p.stat().st_mtime_ns)
+        )
+
+    todo = [e for e in entries if not done(e)]
+    for e in todo:
+        if not (src / e.name).is_file():
+            raise FetchError(f"{src / e.name}: listed in {MANIFEST_NAME} but missing from the mirror")
+    check_disk_space(dest, sum(e.size for e in todo))
+    for e in todo:
+        log(f"mirror: {e.name} ({gib(e.size)})")
+        copy_verified(src / e.name, dest / e.name, e)
+        state[e.name] = {"size": e.size, "sha256": e.sha256, "mtime_ns": (dest / e.name).stat().st_mtime_ns}
+        write_json_atomic(dest / ".sparkllm_mirror.json", state)
+    if record:
+        write_json_atomic(record_path, {**record, "mirror": str(src)})
+    fsync_dir(dest)
+    return {"changed": bool(todo), "files": len(entries), "copied": len(todo)}
+
+
+def write_manifest(directory: Path, with_sha256: bool) -> dict[str, object]:
+    if not directory.is_dir():
+        raise FetchError(f"{directory}: not a directory")
+    entries = build_manifest(directory, with_sha256)
+    write_json_atomic(directory / MANIFEST_NAME, manifest_doc(entries))
+    return {"changed": True, "files": len(entries), "bytes": sum(e.size for e in entries)}
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="fetch_checkpoint.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def remote_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--repo", required=True, help="Hub repo id, e.g. Qwen/Qwen3.5-122B-A10B-FP8")
+        sp.add_argument("--revision", required=True, help="pinned revision (commit sha preferred)")
+        sp.add_argument("--token-file", type=Path, help="file holding the HF token (else $HF_TOKEN)")
+        sp.add_argument("--endpoint", help="Hub endpoint (else $HF_ENDPOINT, else https://huggingface.co)")
+
+    for name, helptext in (
+        ("hub", "download repo files via huggingface_hub"),
+        ("full", "whole FP8 checkpoint"),
+    ):
+        sp = sub.add_parser(name, help=helptext)
+        remote_args(sp)
+        sp.add_argument("--dest", required=True, type=Path, help="destination directory")
+        sp.add_argument(
+            "--include", nargs="*", default=[], metavar="GLOB", help="only files matching these globs"
+        )
+    sp = sub.add_parser("fp8-extract", help="range-fetch the FP8 shared-expert tensors into one small file")
+    remote_args(sp)
+    sp.add_argument("--dest", required=True, type=Path, help="destination safetensors FILE")
+    sp.add_argument(
+        "--pattern", default="shared_expert", help="regex on tensor names (default shared_expert)"
+    )
+    sp = sub.add_parser("mirror", help="copy from a mirror directory verified against its manifest")
+    sp.add_argument("--src", required=True, type=Path, help="mirror directory holding sparkllm-manifest.json")
+    sp.add_argument("--dest", required=True, type=Path, help="destination directory")
+    sp = sub.add_parser("manifest", help="write sparkllm-manifest.json for a directory")
+    sp.add_argument("dir", type=Path)
+    sp.add_argument("--no-sha256", action="store_true", help="sizes only (fast, weaker)")
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> dict[str, object]:
+    if a.cmd == "manifest":
+        return write_manifest(a.dir, not a.no_sha256)
+    if a.cmd == "mirror":
+        return mirror_fetch(a.src, a.dest)
+    token = read_token(a.token_file)
+    endpoint = endpoint_of(a.endpoint)
+    if a.cmd == "fp8-extract":
+        return fp8_extract(Remote(endpoint, a.repo, a.revision, token), a.dest, a.pattern)
+    include = a.include or (["*.safetensors", "*.json"] if a.cmd == "full" else [])
+    client = HfHubClient(a.repo, a.revision, endpoint, token)
+    return hub_fetch(client, a.repo, a.revision, a.dest, include)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except (FetchError, CheckpointError, SafetensorsError, OSError) as exc:
+        print(f"fetch_checkpoint: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
