@@ -1028,7 +1028,8 @@ def _fmt(v: Any, nd: int = 2) -> str:
     return str(v)
 
 
-def print_summary(doc: dict[str, Any], out: Any = sys.stdout) -> None:
+def print_summary(doc: dict[str, Any], out: Any = None) -> None:
+    out = out or sys.stdout
     s, sp = doc["summary"], doc["spec"]
     d = s["decode_tok_s"]
     rows = [
