@@ -1313,7 +1313,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in stats:
         d, rm, sp = m.decode, m.run_medians, m.speedup
-        speed = "-" if sp["gmean"] is None else (
+        speed = "1 (reference)" if m.label == baseline else "-" if sp["gmean"] is None else (
             f"{sp['gmean']:.3f}x"
             + (f" [{sp['ci95_low']:.3f}-{sp['ci95_high']:.3f}]" if sp["ci95_low"] else "")
             + f" (n={sp['pairs']})")
