@@ -301,12 +301,19 @@ class ManifestEntry:
 
 
 def build_manifest(directory: Path, with_sha256: bool = True) -> list[ManifestEntry]:
-    """Every regular file under ``directory`` (relative POSIX names), skipping the manifest itself."""
+    """Every regular file under ``directory`` (relative POSIX names).
+
+    Skips the manifest itself and hidden files and directories (state/provenance records, caches).
+    """
     entries: list[ManifestEntry] = []
     for p in sorted(directory.rglob("*")):
-        if not p.is_file() or p.name == MANIFEST_NAME or ".incomplete" in p.name:
-            continue
         rel = p.relative_to(directory).as_posix()
+        if (
+            not p.is_file()
+            or p.name == MANIFEST_NAME
+            or any(part.startswith(".") for part in Path(rel).parts)
+        ):
+            continue
         entries.append(ManifestEntry(rel, p.stat().st_size, sha256_file(p) if with_sha256 else None))
     return entries
 

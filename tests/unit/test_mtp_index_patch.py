@@ -116,7 +116,7 @@ def test_script_main_plain_output(pair: GeneratedPair, hybrid_without_mtp: Path,
 
 @pytest.fixture
 def module(monkeypatch):
-    """Import library/mtp_index_patch.py with scripts/ visible as ansible.module_utils (as ansible.cfg does)."""
+    """Import library/mtp_index_patch.py with scripts/ as ansible.module_utils (as ansible.cfg does)."""
     monkeypatch.setattr(
         ansible.module_utils, "__path__", [*ansible.module_utils.__path__, str(ROOT / "scripts")]
     )

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.make_checkpoints import GenConfig, generate
 from safetensors import safe_open
 from sparkllm import safetensors_io as sio
 from sparkllm.safetensors_io import ByteRange, SafetensorsError, TensorSpec
-
-from fixtures.make_checkpoints import GenConfig, generate
 
 
 def write_file(path: Path, specs: list[TensorSpec], payload: bytes | None = None) -> bytes:
@@ -61,7 +60,9 @@ def test_roundtrip_readable_by_safetensors_library(tmp_path: Path) -> None:
         ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, "bad shape"),
     ],
 )
-def test_invalid_headers_name_file_and_problem(tmp_path: Path, header: dict, data: bytes, problem: str) -> None:
+def test_invalid_headers_name_file_and_problem(
+    tmp_path: Path, header: dict, data: bytes, problem: str
+) -> None:
     f = tmp_path / "bad.safetensors"
     raw_file(f, header, data)
     with pytest.raises(SafetensorsError) as exc:
@@ -97,7 +98,14 @@ def test_encode_header_rejects_duplicates() -> None:
 
 
 def test_coalesce_only_merges_touching_neighbours() -> None:
-    rs = [ByteRange(0, 4), ByteRange(4, 4), ByteRange(10, 2), ByteRange(12, 0), ByteRange(12, 3), ByteRange(0, 1)]
+    rs = [
+        ByteRange(0, 4),
+        ByteRange(4, 4),
+        ByteRange(10, 2),
+        ByteRange(12, 0),
+        ByteRange(12, 3),
+        ByteRange(0, 1),
+    ]
     assert sio.coalesce(rs) == [ByteRange(0, 8), ByteRange(10, 5), ByteRange(0, 1)]
 
 
@@ -118,7 +126,9 @@ def test_copy_ranges_and_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         fo.write(b"HDR")
         fo.flush()
-        n = sio.copy_ranges(fi.fileno(), fo.fileno(), [ByteRange(10, 100), ByteRange(110, 50), ByteRange(4000, 1000)])
+        n = sio.copy_ranges(
+            fi.fileno(), fo.fileno(), [ByteRange(10, 100), ByteRange(110, 50), ByteRange(4000, 1000)]
+        )
     assert n == 1150
     assert dst.read_bytes() == b"HDR" + data[10:160] + data[4000:5000]
 

@@ -1,0 +1,288 @@
+"""fetch_checkpoint.py: range fetch against the local Range server, mirror, hub verification, disk, token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import namedtuple
+from dataclasses import replace
+from pathlib import Path
+
+import fetch_checkpoint as fc
+import hybrid_merge
+import pytest
+from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
+from fixtures.range_server import RangeServer
+from sparkllm import checkpoint as ck
+from sparkllm.safetensors_io import INDEX_NAME, read_header, read_index
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_checkpoint.py"
+REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
+SECRET = "hf_SuperSecretToken0123456789"
+CFG = GenConfig(layers=4, experts=4)
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> GeneratedPair:
+    return generate(tmp_path / "src", CFG)
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_ENDPOINT")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=full_env)
+
+
+def extract(srv: RangeServer, dest: Path, *extra: str, env: dict[str, str] | None = None):
+    return run(
+        "fp8-extract", "--repo", REPO, "--revision", "main", "--dest", str(dest), "--endpoint", srv.endpoint,
+        *extra, env=env,
+    )  # fmt: skip
+
+
+def tensor_bytes(path: Path, name: str) -> bytes:
+    h = read_header(path)
+    off, n = h.absolute(name)
+    with open(path, "rb") as f:
+        f.seek(off)
+        return f.read(n)
+
+
+def test_fp8_extract_transfers_only_needed_bytes(pair: GeneratedPair, tmp_path: Path) -> None:
+    dest = tmp_path / "ext" / "fp8-shared-expert.safetensors"
+    with RangeServer(pair.fp8_dir, repo=REPO) as srv:
+        r = extract(srv, dest)
+        assert r.returncode == 0, r.stderr
+        sent = srv.state.bytes_sent
+    idx = read_index(pair.fp8_dir / INDEX_NAME)
+    shards = sorted(set(idx.files))
+    out = read_header(dest)
+    expected_names = set(pair.expected_taken) | {ck.scale_name(n) for n in pair.expected_taken}
+    assert set(out.tensors) == expected_names
+    for name in expected_names:
+        src = pair.fp8_dir / idx.weight_map[name]
+        assert tensor_bytes(dest, name) == tensor_bytes(src, name)
+        assert out.tensors[name].shape == read_header(src).tensors[name].shape
+    headers = sum(read_header(pair.fp8_dir / f).data_start for f in shards)
+    index_bytes = (pair.fp8_dir / INDEX_NAME).stat().st_size
+    assert sent == index_bytes + headers + out.data_size
+    full_size = sum((pair.fp8_dir / f).stat().st_size for f in shards)
+    assert out.data_size < full_size / 10
+    record = json.loads((dest.parent / ".sparkllm_source.json").read_text())
+    assert record["repo"] == REPO and record["commit"] == "c0ffee" * 6 + "c0ff" and record["tensors"] == 24
+    assert read_index(dest.parent / INDEX_NAME).total_size == out.data_size
+
+
+def test_fp8_extract_rerun_is_noop(pair: GeneratedPair, tmp_path: Path) -> None:
+    dest = tmp_path / "ext" / "x.safetensors"
+    with RangeServer(pair.fp8_dir, repo=REPO) as srv:
+        assert extract(srv, dest).returncode == 0
+        n = len(srv.state.requests)
+        r = extract(srv, dest)
+        assert r.returncode == 0 and json.loads(r.stdout)["changed"] is False
+        assert len(srv.state.requests) == n
+
+
+def test_merge_with_extract_equals_merge_with_full(pair: GeneratedPair, tmp_path: Path) -> None:
+    dest = tmp_path / "ext" / "x.safetensors"
+    with RangeServer(pair.fp8_dir, repo=REPO) as srv:
+        assert extract(srv, dest).returncode == 0
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert hybrid_merge.main(["--int4", str(pair.int4_dir), "--fp8", str(pair.fp8_dir), "--out", str(a)]) == 0
+    assert hybrid_merge.main(["--int4", str(pair.int4_dir), "--fp8", str(dest.parent), "--out", str(b)]) == 0
+    for f in a.glob("*.safetensors"):
+        assert f.read_bytes() == (b / f.name).read_bytes()
+    cfg_b = json.loads((b / "config.json").read_text())
+    assert cfg_b["sparkllm_provenance"]["fp8"]["repo"] == REPO
+
+
+BAD_RANGES = [
+    ("short", "short or long body"),
+    ("wrong", "wrong Content-Range"),
+    ("ignore", "expected HTTP 206"),
+]
+
+
+@pytest.mark.parametrize(("mode", "message"), BAD_RANGES)
+def test_bad_ranges_are_caught(pair: GeneratedPair, tmp_path: Path, mode: str, message: str) -> None:
+    dest = tmp_path / "ext" / "x.safetensors"
+    with RangeServer(pair.fp8_dir, repo=REPO, mode=mode) as srv:
+        r = extract(srv, dest)
+    assert r.returncode == 1
+    assert message in r.stderr and "model-0000" in r.stderr
+    assert not dest.exists() and not list(dest.parent.glob(".*incomplete*"))
+
+
+def test_missing_repo_and_no_match(pair: GeneratedPair, tmp_path: Path) -> None:
+    with RangeServer(pair.fp8_dir, repo="other/repo") as srv:
+        r = extract(srv, tmp_path / "x.safetensors")
+    assert r.returncode == 1 and "HTTP 404" in r.stderr
+    with RangeServer(pair.fp8_dir, repo=REPO) as srv:
+        r = extract(srv, tmp_path / "x.safetensors", "--pattern", "nothing_matches_this")
+    assert r.returncode == 1 and "no FP8 tensors" in r.stderr
+
+
+def test_token_sent_but_never_leaked(pair: GeneratedPair, tmp_path: Path) -> None:
+    dest = tmp_path / "ext" / "x.safetensors"
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    with RangeServer(pair.fp8_dir, repo=REPO) as srv:
+        r1 = extract(srv, dest, env={"HF_TOKEN": SECRET})
+        dest.unlink()
+        r2 = extract(srv, dest, "--token-file", str(token_file))
+        with RangeServer(pair.fp8_dir, repo=REPO, mode="short") as bad:
+            r3 = extract(bad, tmp_path / "y" / "y.safetensors", env={"HF_TOKEN": SECRET})
+        auths = srv.state.auth_headers
+    assert r1.returncode == 0 and r2.returncode == 0 and r3.returncode == 1
+    assert auths and all(a == f"Bearer {SECRET}" for a in auths)
+    for r in (r1, r2, r3):
+        assert SECRET not in r.stdout and SECRET not in r.stderr
+    for f in dest.parent.rglob("*"):
+        assert SECRET.encode() not in f.read_bytes()
+
+
+def test_disk_space_refusal(pair: GeneratedPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(fc.shutil, "disk_usage", lambda p: Usage(10**12, 10**12, 1000))
+    with pytest.raises(fc.FetchError) as exc:
+        fc.check_disk_space(tmp_path / "not" / "yet", 5 * 2**30)
+    msg = str(exc.value)
+    assert "not enough disk space" in msg and "6.10 GiB" in msg and "0.00 GiB free" in msg and "--dest" in msg
+    src = tmp_path / "mirror"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x" * 10)
+    fc.write_manifest(src, True)
+    with pytest.raises(fc.FetchError, match="not enough disk space"):
+        fc.mirror_fetch(src, tmp_path / "dest")
+    assert not (tmp_path / "dest" / "a.bin").exists()
+
+
+# ------------------------------------------------------------------ mirror
+
+
+def test_mirror_copy_verified_and_rerun_noop(pair: GeneratedPair, tmp_path: Path) -> None:
+    r = run("manifest", str(pair.int4_dir))
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((pair.int4_dir / ck.MANIFEST_NAME).read_text())
+    names = {f["name"] for f in manifest["files"]}
+    assert "model_extra_tensors.safetensors" in names and all(
+        len(f["sha256"]) == 64 for f in manifest["files"]
+    )
+    dest = tmp_path / "int4-copy"
+    r = run("mirror", "--src", str(pair.int4_dir), "--dest", str(dest))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["copied"] == len(names)
+    for n in names:
+        assert (dest / n).read_bytes() == (pair.int4_dir / n).read_bytes()
+    assert ck.verify_checkpoint(dest).problems == [
+        f"{dest / ck.EXTRA_FILE}: present but not listed in {INDEX_NAME}"
+    ]  # the INT4 index does not list MTP names: that is what mtp_index_patch repairs
+    r = run("mirror", "--src", str(pair.int4_dir), "--dest", str(dest))
+    assert r.returncode == 0 and json.loads(r.stdout)["changed"] is False
+
+
+def test_corrupt_mirror_file_caught(pair: GeneratedPair, tmp_path: Path) -> None:
+    assert run("manifest", str(pair.int4_dir)).returncode == 0
+    shard = pair.int4_dir / "model-00002-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, different content
+    shard.write_bytes(bytes(data))
+    dest = tmp_path / "copy"
+    r = run("mirror", "--src", str(pair.int4_dir), "--dest", str(dest))
+    assert r.returncode == 1
+    assert str(shard) in r.stderr and "sha256" in r.stderr
+    assert not (dest / shard.name).exists() and not list(dest.glob(".*incomplete*"))
+
+
+def test_mirror_without_manifest(tmp_path: Path) -> None:
+    r = run("mirror", "--src", str(tmp_path), "--dest", str(tmp_path / "d"))
+    assert r.returncode == 1 and "manifest missing" in r.stderr and "manifest" in r.stderr
+
+
+# ------------------------------------------------------------------ hub mode (fake client)
+
+
+class FakeHub:
+    def __init__(self, src: Path, corrupt: str | None = None) -> None:
+        self.src = src
+        self.corrupt = corrupt
+        self.downloads: list[str] = []
+
+    def list_files(self) -> list[fc.RemoteFile]:
+        out = []
+        for p in sorted(self.src.iterdir()):
+            if p.is_file() and not p.name.startswith("."):
+                lfs = p.suffix == ".safetensors"
+                out.append(
+                    fc.RemoteFile(
+                        p.name, p.stat().st_size, fc.sha256_of(p) if lfs else None, fc.git_blob_sha1(p)
+                    )
+                )
+        return out
+
+    def download(self, name: str, dest_dir: Path) -> Path:
+        self.downloads.append(name)
+        data = (self.src / name).read_bytes()
+        if name == self.corrupt:
+            data = data[:-1] + bytes([data[-1] ^ 1])
+        (dest_dir / name).write_bytes(data)
+        return dest_dir / name
+
+    def commit(self) -> str | None:
+        return "abc123"
+
+
+def test_hub_fetch_verifies_and_resumes(pair: GeneratedPair, tmp_path: Path) -> None:
+    dest = tmp_path / "hub"
+    hub = FakeHub(pair.int4_dir, corrupt="model-00001-of-00003.safetensors")
+    with pytest.raises(fc.FetchError, match="sha256 differs"):
+        fc.hub_fetch(hub, "Intel/x", "rev1", dest, ["*.safetensors"])
+    assert not (dest / "model-00001-of-00003.safetensors").exists()
+    hub.corrupt = "config.json"
+    with pytest.raises(fc.FetchError, match="git blob id differs"):
+        fc.hub_fetch(hub, "Intel/x", "rev1", dest, [])
+    hub.corrupt = None
+    hub.downloads.clear()
+    res = fc.hub_fetch(hub, "Intel/x", "rev1", dest, [])
+    assert res["changed"] is True and res["commit"] == "abc123"
+    assert "model-00001-of-00003.safetensors" in hub.downloads
+    hub.downloads.clear()
+    res = fc.hub_fetch(hub, "Intel/x", "rev1", dest, [])
+    assert res["changed"] is False and hub.downloads == []
+    assert json.loads((dest / ".sparkllm_source.json").read_text())["commit"] == "abc123"
+
+
+def test_hub_include_filter_and_no_match(pair: GeneratedPair, tmp_path: Path) -> None:
+    hub = FakeHub(pair.int4_dir)
+    fc.hub_fetch(hub, "Intel/x", "r", tmp_path / "d", ["*.json"])
+    assert hub.downloads and all(n.endswith(".json") for n in hub.downloads)
+    with pytest.raises(fc.FetchError, match="no files match"):
+        fc.hub_fetch(hub, "Intel/x", "r", tmp_path / "d", ["*.gguf"])
+
+
+def test_token_file_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = tmp_path / "t"
+    empty.write_text("\n")
+    with pytest.raises(fc.FetchError, match="empty"):
+        fc.read_token(empty)
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    assert fc.read_token(None) == SECRET
+    monkeypatch.delenv("HF_TOKEN")
+    assert fc.read_token(None) is None
+
+
+def test_usage_and_help() -> None:
+    r = run()
+    assert r.returncode == 2
+    r = run("--help")
+    for word in ("fp8-extract", "mirror", "manifest", "full", "hub", "HF_TOKEN", "Exit codes"):
+        assert word in r.stdout
+
+
+def test_extract_of_extract_config(tmp_path: Path) -> None:
+    """A generated extract-mode pair already holds exactly what fp8-extract would fetch."""
+    pair = generate(tmp_path / "e", replace(CFG, fp8_mode="extract"))
+    names = set(read_header(pair.fp8_dir / "fp8-extract.safetensors").tensors)
+    assert set(pair.expected_taken) <= names
