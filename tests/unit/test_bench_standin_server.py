@@ -1,0 +1,37 @@
+"""The stand-in server's vLLM-style command line (used in serve units and molecule)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.standin_server import server
+
+SERVER = Path(server.__file__)
+
+
+def test_vllm_style_argv() -> None:
+    cfg, host, port = server.parse_args([
+        "serve", "/models/qwen", "--port", "8123", "--host", "0.0.0.0", "--served-model-name", "qwen",
+        "--max-model-len", "262144", "--attention-backend", "FLASHINFER", "--enforce-eager",
+        "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3})])
+    assert (cfg.model, host, port, cfg.spec, cfg.method, cfg.k) == ("qwen", "0.0.0.0", 8123, True, "mtp", 3)
+
+
+def test_no_speculative_config_is_baseline() -> None:
+    cfg, _, _ = server.parse_args(["serve", "/models/qwen", "--port", "1"])
+    assert cfg.spec is False and cfg.model == "/models/qwen"
+
+
+def test_fail_method_exits_nonzero() -> None:
+    r = subprocess.run([sys.executable, str(SERVER), "serve", "m", "--port", "0",
+                        "--speculative-config", '{"method": "fail"}'], capture_output=True, timeout=30)
+    assert r.returncode != 0 and b"fail" in r.stderr
+
+
+def test_env_fail_exits_nonzero(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STANDIN_FAIL", "1")
+    assert server.main(["--port", "0"]) != 0
