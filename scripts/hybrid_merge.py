@@ -29,6 +29,7 @@ Exit codes: 0 ok (or no-op), 1 invalid input or I/O failure, 2 usage error.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -45,7 +46,7 @@ from sparkllm.checkpoint import (
     OutShard,
     dir_fingerprint,
     fingerprint_digest,
-    index_for,
+    plan_index,
     plan_merge,
     read_source_record,
 )
@@ -57,7 +58,7 @@ from sparkllm.safetensors_io import (
     copy_ranges,
     encode_header,
     fsync_dir,
-    read_header,
+    header_digest,
     write_json_atomic,
 )
 
@@ -134,7 +135,7 @@ def output_is_current(out: Path, digest: str) -> bool:
         try:
             if p.stat().st_size != meta["size"]:
                 return False
-            if name.endswith(".safetensors") and read_header(p).digest != meta["header_sha256"]:
+            if name.endswith(".safetensors") and header_digest(p) != meta["header_sha256"]:
                 return False
         except (OSError, KeyError, TypeError, SafetensorsError):
             return False
@@ -148,7 +149,7 @@ def write_shard(shard: OutShard, path: Path) -> dict[str, object]:
         dst.flush()
         by_src: list[tuple[Path, list[ByteRange]]] = []
         for t in shard.tensors:
-            if by_src and by_src[-1][0] == t.src:
+            if by_src and by_src[-1][0] is t.src:
                 by_src[-1][1].append(ByteRange(t.offset, t.length))
             else:
                 by_src.append((t.src, [ByteRange(t.offset, t.length)]))
@@ -159,10 +160,10 @@ def write_shard(shard: OutShard, path: Path) -> dict[str, object]:
             finally:
                 os.close(fd)
         os.fsync(dst.fileno())
-    h = read_header(path)
-    if h.data_size != shard.data_bytes:
-        raise CheckpointError(f"{path}: wrote {h.data_size} data bytes, expected {shard.data_bytes}")
-    return {"size": h.file_size, "header_sha256": h.digest}
+    size = path.stat().st_size
+    if size != len(header) + shard.data_bytes:
+        raise CheckpointError(f"{path}: wrote {size} bytes, expected {len(header) + shard.data_bytes}")
+    return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest()}
 
 
 def copy_side_files(int4: Path, tmp: Path, plan: MergePlan) -> None:
@@ -214,13 +215,11 @@ def execute(plan: MergePlan, int4: Path, fp8: Path, out: Path, digest: str) -> N
     tmp.mkdir(parents=True)
     try:
         outputs: dict[str, object] = {}
-        headers = {}
         for shard in plan.shards:
             outputs[shard.name] = write_shard(shard, tmp / shard.name)
-            headers[shard.name] = read_header(tmp / shard.name)
         copy_side_files(int4, tmp, plan)
         patch_config(tmp, provenance(int4, fp8, plan))
-        write_json_atomic(tmp / INDEX_NAME, index_for(headers))
+        write_json_atomic(tmp / INDEX_NAME, plan_index(plan))
         write_json_atomic(
             tmp / RECORD_NAME,
             {

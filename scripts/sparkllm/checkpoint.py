@@ -25,6 +25,7 @@ from .safetensors_io import (
     TensorInfo,
     build_index,
     fsync_dir,
+    header_digest,
     read_header,
     read_index,
     write_json_atomic,
@@ -59,7 +60,7 @@ def is_mtp(name: str) -> bool:
 # ------------------------------------------------------------------ loading
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorSource:
     """Where a tensor lives: its file header and entry."""
 
@@ -108,7 +109,7 @@ def tensor_table(headers: Mapping[str, Header]) -> dict[str, TensorSource]:
 # ------------------------------------------------------------------ merge planning
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OutTensor:
     """A tensor of an output shard: copy ``length`` bytes of ``src`` at ``offset``."""
 
@@ -282,7 +283,7 @@ def dir_fingerprint(directory: Path) -> dict[str, object]:
         entry: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         if p.suffix == ".safetensors":
             try:
-                entry["header_sha256"] = read_header(p).digest
+                entry["header_sha256"] = header_digest(p)
             except SafetensorsError:
                 entry["header_sha256"] = "invalid"
         files[p.name] = entry
@@ -621,3 +622,9 @@ def index_for(headers: Mapping[str, Header]) -> dict[str, object]:
         return build_index(headers)
     except SafetensorsError as exc:
         raise CheckpointError(str(exc)) from None
+
+
+def plan_index(plan: MergePlan) -> dict[str, object]:
+    """Index document of a merge plan's output (names are unique by construction)."""
+    weight_map = {t.name: s.name for s in plan.shards for t in s.tensors}
+    return {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}

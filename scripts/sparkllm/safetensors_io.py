@@ -50,7 +50,7 @@ class SafetensorsError(ValueError):
         super().__init__(f"{self.path}: {problem}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One tensor entry; ``begin``/``end`` are relative to the end of the header."""
 
@@ -197,7 +197,23 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     return parse_header_bytes(p, raw, header_len, size)
 
 
-@dataclass(frozen=True)
+def header_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's length prefix + header JSON, without parsing it (cheap identity)."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise SafetensorsError(p, f"file too short for a safetensors header ({size} bytes)")
+            (header_len,) = struct.unpack("<Q", head)
+            check_header_len(p, header_len, size)
+            return hashlib.sha256(head + f.read(header_len)).hexdigest()
+    except OSError as exc:
+        raise SafetensorsError(p, f"cannot read ({exc.strerror or exc})") from None
+
+
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A tensor to be written: its layout in the new file is assigned by ``encode_header``."""
 
@@ -232,7 +248,7 @@ def encode_header(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | Non
     return struct.pack("<Q", len(raw)) + raw
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ByteRange:
     offset: int
     length: int

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Benchmark the streaming hybrid merge against `cp` of the same bytes on the same disk.
+
+    python tests/perf/bench_merge.py --size-gb 8 --workdir DIR [--double] [--keep]
+
+Generates a checkpoint pair (INT4 >= --size-gb, FP8 as a small fp8-extract file) under
+DIR/bench-merge-<pid>/, then times, with cold page cache for the inputs (posix_fadvise DONTNEED
+after sync) and including the final flush to disk for both:
+  * `cp --reflink=never` of the INT4 *.safetensors files (about the same bytes as the merge output),
+  * scripts/hybrid_merge.py as a subprocess; its peak RSS comes from os.wait4's rusage.
+Prints throughput (output bytes / second) of each, the ratio merge/cp (goal >= 0.8) and the merge's
+peak RSS in MiB (goal <= 256 and flat). --double repeats at twice the size to show RSS stays flat.
+Everything generated is removed at the end unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fixtures.make_checkpoints import bench_config, generate  # noqa: E402
+
+MERGE = ROOT / "scripts" / "hybrid_merge.py"
+
+
+@dataclass
+class Round:
+    size_bytes: int
+    cp_seconds: float
+    cp_bytes: int
+    merge_seconds: float
+    merge_bytes: int
+    merge_rss_mib: float
+
+    @property
+    def cp_mbps(self) -> float:
+        return self.cp_bytes / self.cp_seconds / 1e6
+
+    @property
+    def merge_mbps(self) -> float:
+        return self.merge_bytes / self.merge_seconds / 1e6
+
+    @property
+    def ratio(self) -> float:
+        return self.merge_mbps / self.cp_mbps
+
+
+def evict(paths: list[Path]) -> None:
+    """Flush and drop these files from the page cache (no root needed)."""
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_in(d: Path) -> list[Path]:
+    return sorted(p for p in d.rglob("*") if p.is_file())
+
+
+def run_wait4(argv: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS MiB) of a child process."""
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.monotonic() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{argv[0]} failed with exit code {proc.returncode}")
+    return seconds, usage.ru_maxrss / 1024
+
+
+def one_round(work: Path, size_bytes: int) -> Round:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t0 = time.monotonic()
+    pair = generate(work, bench_config(size_bytes))
+    print(f"  generated {pair.int4_bytes / 1e9:.2f} GB INT4 pair in {time.monotonic() - t0:.0f}s", flush=True)
+    inputs = files_in(pair.int4_dir) + files_in(pair.fp8_dir)
+    shards = sorted(pair.int4_dir.glob("*.safetensors"))
+
+    evict(inputs)
+    cp_dir = work / "cp"
+    cp_dir.mkdir()
+    start = time.monotonic()
+    subprocess.run(["cp", "--reflink=never", *map(str, shards), str(cp_dir)], check=True)
+    os.sync()
+    cp_seconds = time.monotonic() - start
+    cp_bytes = sum(p.stat().st_size for p in cp_dir.iterdir())
+    shutil.rmtree(cp_dir)
+
+    evict(inputs)
+    out = work / "merged"
+    argv = [
+        sys.executable,
+        str(MERGE),
+        "--int4",
+        str(pair.int4_dir),
+        "--fp8",
+        str(pair.fp8_dir),
+        "--out",
+        str(out),
+    ]
+    merge_seconds, rss = run_wait4(argv)
+    merge_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    return Round(size_bytes, cp_seconds, cp_bytes, merge_seconds, merge_bytes, rss)
+
+
+def report(r: Round) -> None:
+    print(
+        f"size {r.size_bytes / 1e9:.1f} GB: cp {r.cp_bytes / 1e9:.2f} GB in {r.cp_seconds:.1f}s "
+        f"({r.cp_mbps:.0f} MB/s); merge {r.merge_bytes / 1e9:.2f} GB in {r.merge_seconds:.1f}s "
+        f"({r.merge_mbps:.0f} MB/s); throughput ratio merge/cp {r.ratio:.2f}; "
+        f"merge peak RSS {r.merge_rss_mib:.1f} MiB",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=8.0, help="INT4 checkpoint size to generate (GB, 1e9)")
+    p.add_argument("--workdir", type=Path, required=True, help="scratch directory on the disk to measure")
+    p.add_argument("--double", action="store_true", help="repeat at twice the size (RSS flatness)")
+    p.add_argument("--keep", action="store_true", help="keep generated files")
+    a = p.parse_args(argv)
+    size = int(a.size_gb * 1e9)
+    need = 3.2 * size * (2 if a.double else 1)
+    free = shutil.disk_usage(a.workdir).free
+    if need > free:
+        print(
+            f"need about {need / 1e9:.0f} GB free in {a.workdir}, have {free / 1e9:.0f} GB", file=sys.stderr
+        )
+        return 1
+    work = a.workdir / f"bench-merge-{os.getpid()}"
+    rounds: list[Round] = []
+    try:
+        for s in [size, 2 * size] if a.double else [size]:
+            print(f"round at {s / 1e9:.1f} GB", flush=True)
+            rounds.append(one_round(work, s))
+            report(rounds[-1])
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    if len(rounds) == 2:
+        growth = rounds[1].merge_rss_mib / rounds[0].merge_rss_mib
+        print(f"peak RSS growth when the checkpoint doubles: x{growth:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
