@@ -405,7 +405,7 @@ def build_payload(model: str, prompt: Prompt, s: Sampling, continuous: bool) -> 
         opts["continuous_usage_stats"] = True
     body: dict[str, Any] = {"model": model, "messages": prompt.messages, "stream": True,
                             "max_tokens": s.max_tokens, "temperature": s.temperature,
-                            "stream_options": opts, "ignore_eos": False,
+                            "stream_options": opts,
                             "chat_template_kwargs": {"enable_thinking": s.thinking == "on"}}
     if s.seed is not None:
         body["seed"] = s.seed
@@ -528,7 +528,8 @@ class Progress:
         self.lock = threading.Lock()
         self._rich: Any = None
         self._task: Any = None
-        if enabled and sys.stderr.isatty():
+        self.tty = sys.stderr.isatty()
+        if enabled and self.tty:
             try:
                 from rich.progress import Progress as RichProgress  # optional on the Spark
 
@@ -545,14 +546,17 @@ class Progress:
                 return
             if self._rich is not None:
                 self._rich.update(self._task, advance=1, description=f"{self.label} {info}")
-            else:
+            elif self.tty:
                 sys.stderr.write(f"\r[{self.label}] {self.done}/{self.total} {info:<40}")
+                sys.stderr.flush()
+            elif self.done % max(1, self.total // 10) == 0 or self.done == self.total:
+                sys.stderr.write(f"[{self.label}] {self.done}/{self.total} {info}\n")  # logs: ~10 lines
                 sys.stderr.flush()
 
     def close(self) -> None:
         if self._rich is not None:
             self._rich.stop()
-        elif self.enabled:
+        elif self.enabled and self.tty:
             sys.stderr.write("\n")
 
 
@@ -1317,7 +1321,8 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
             f"{sp['gmean']:.3f}x"
             + (f" [{sp['ci95_low']:.3f}-{sp['ci95_high']:.3f}]" if sp["ci95_low"] else "")
             + f" (n={sp['pairs']})")
-        ci = f"{_fmt(rm['mean'])} ({_fmt(rm['ci95_low'])}-{_fmt(rm['ci95_high'])})"
+        ci = _fmt(rm["mean"]) + (f" ({_fmt(rm['ci95_low'])}-{_fmt(rm['ci95_high'])})"
+                                 if rm["ci95_low"] is not None else " (1 run: no interval)")
         pp = "/".join(f"{x:.2f}" for x in m.per_position) if m.per_position else "-"
         lines.append(f"| {m.label} | {len(m.runs)} | {d['n']} | {_fmt(d['median'])} | {_fmt(d['p5'])}-"
                      f"{_fmt(d['p95'])} | {ci} | {_fmt(rm['cv'], 3)} | {_fmt(d['p95'])} / {_fmt(d['max'])} "
