@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
-# Create the contract-test environment: the real vLLM 0.19.1 from PyPI in .venv-vllm.
+# Create the contract-test environment.
 #
-# Idempotent: when .venv-vllm already imports vllm 0.19.1 this exits in about a second.
-# A fresh install downloads about 11 GB (vllm pins torch 2.10.0) and takes a few minutes.
-# The machine-wide pip constraint (/etc/xdg/pip/constraints.txt, torch<=2.14.1) is compatible.
+# 1. .venv-vllm: the real vLLM 0.19.1 from PyPI (+ pytest, safetensors, numpy, pyyaml).
+#    A fresh install downloads about 11 GB (vllm pins torch 2.10.0) and takes about 5 minutes.
+#    The machine-wide pip constraint (/etc/xdg/pip/constraints.txt, torch<=2.14.1) is compatible.
+# 2. .cache/vllm-<DFLASH_VERSION>-py: the pure-Python part of the vLLM 0.20.0 wheel (the first
+#    release with DFlash), downloaded without dependencies (~245 MB wheel, ~40 MB extracted,
+#    compiled extensions left out). The contract tests put it first on PYTHONPATH in a
+#    subprocess of .venv-vllm to ask 0.20.0's own `vllm serve` parser and SpeculativeConfig about
+#    the dflash arguments. A second full environment (torch 2.11, another ~11 GB and ~5 min)
+#    would buy nothing more: without a GPU only the parser and config classes can be exercised.
+#
+# Idempotent: when both exist it exits in about a second.
 #
 # Usage: tests/contract/setup_vllm_env.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
-# Env:   PYTHON (default python3.11), VLLM_VERSION (default 0.19.1)
+# Env:   PYTHON (default python3.11), VLLM_VERSION (0.19.1), VLLM_DFLASH_VERSION (0.20.0;
+#        empty to skip step 2)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="${1:-${repo_root}/.venv-vllm}"
 python="${PYTHON:-python3.11}"
 vllm_version="${VLLM_VERSION:-0.19.1}"
+dflash_version="${VLLM_DFLASH_VERSION-0.20.0}"
+cache="${repo_root}/.cache"
 
 probe() {
   "${venv}/bin/python" - "${vllm_version}" <<'PY' >/dev/null 2>&1
@@ -23,22 +34,47 @@ import pytest, safetensors, numpy, yaml  # noqa: F401,E401
 PY
 }
 
+start=$(date +%s)
 if [ -x "${venv}/bin/python" ] && probe; then
-  echo "setup_vllm_env: ${venv} already has vllm ${vllm_version}; nothing to do"
-  exit 0
+  echo "setup_vllm_env: ${venv} already has vllm ${vllm_version}"
+else
+  if [ ! -x "${venv}/bin/python" ]; then
+    echo "setup_vllm_env: creating ${venv} with ${python}"
+    "${python}" -m venv "${venv}"
+  fi
+  "${venv}/bin/python" -m pip install --quiet --upgrade pip
+  echo "setup_vllm_env: installing vllm==${vllm_version} (about 11 GB, several minutes)"
+  "${venv}/bin/python" -m pip install --progress-bar off \
+    "vllm==${vllm_version}" pytest==8.4.2 safetensors==0.7.0 numpy pyyaml==6.0.3
+  if ! probe; then
+    echo "setup_vllm_env: ${venv} still does not import vllm ${vllm_version}; see the pip output above" >&2
+    exit 1
+  fi
 fi
 
-start=$(date +%s)
-if [ ! -x "${venv}/bin/python" ]; then
-  echo "setup_vllm_env: creating ${venv} with ${python}"
-  "${python}" -m venv "${venv}"
+if [ -n "${dflash_version}" ]; then
+  overlay="${cache}/vllm-${dflash_version}-py"
+  if [ -f "${overlay}/.complete" ]; then
+    echo "setup_vllm_env: ${overlay} already present"
+  else
+    echo "setup_vllm_env: fetching the vllm ${dflash_version} wheel (no dependencies) for the dflash contract"
+    wheels="${cache}/vllm-wheels"
+    mkdir -p "${wheels}"
+    "${venv}/bin/python" -m pip download --quiet --no-deps --only-binary=:all: \
+      -d "${wheels}" "vllm==${dflash_version}"
+    tmp="$(mktemp -d "${cache}/vllm-overlay.XXXXXX")"
+    "${venv}/bin/python" - "${wheels}" "${dflash_version}" "${tmp}" <<'PY'
+import glob, sys, zipfile
+wheels, version, dest = sys.argv[1:]
+(wheel,) = glob.glob(f"{wheels}/vllm-{version}-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    members = [m for m in z.namelist() if m.startswith("vllm/") and not m.endswith(".so")]
+    z.extractall(dest, members)
+PY
+    touch "${tmp}/.complete"
+    rm -rf "${overlay}"
+    mv "${tmp}" "${overlay}"
+    rm -f "${wheels}"/vllm-"${dflash_version}"-*.whl
+  fi
 fi
-"${venv}/bin/python" -m pip install --quiet --upgrade pip
-echo "setup_vllm_env: installing vllm==${vllm_version} (about 11 GB, several minutes)"
-"${venv}/bin/python" -m pip install --progress-bar off \
-  "vllm==${vllm_version}" pytest==8.4.2 safetensors==0.7.0 numpy pyyaml==6.0.3
-if ! probe; then
-  echo "setup_vllm_env: ${venv} still does not import vllm ${vllm_version}; see the pip output above" >&2
-  exit 1
-fi
-echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; size $(du -sh "${venv}" | cut -f1)"
+echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}" | cut -f1)"

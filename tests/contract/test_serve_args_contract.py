@@ -1,0 +1,242 @@
+"""The serve arguments our filter renders, checked by the real vLLM's own parser and config classes.
+
+vLLM 0.19.1 (in this interpreter) for every method it serves; vLLM 0.20.0 (the DFlash build's
+base, its pure-Python part run from .cache/ in a subprocess of this interpreter) for dflash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import vllm_probe
+from conftest import CONTRACT_DIR, ROOT
+from spark_methods import SETTING_DEFAULTS, spark_serve_argv, spark_speculative_config
+
+pytestmark = pytest.mark.vllm_contract
+
+# Settings cases: (id, overrides). Each is rendered for every method the variant serves.
+MAIN_OPTIONS = [
+    ("defaults", {}),
+    ("public-bind-with-key", {"vllm_host": "0.0.0.0", "vllm_api_key_file": "/etc/spark/api-key",
+                              "vllm_port": 9000}),
+    ("short-context-mem-090", {"vllm_max_model_len": 32768, "vllm_gpu_memory_utilization": 0.9,
+                               "vllm_served_model_name": "other-name", "vllm_model_path": "/models/q"}),
+    ("no-reasoning-parser", {"vllm_reasoning_parser": ""}),
+    ("tokens-override", {"spec_num_speculative_tokens": 4, "spec_ngram_lookup_min": 1,
+                         "spec_ngram_lookup_max": 3}),
+    ("ray-tp2", {"spark_tensor_parallel_size": 2, "spark_distributed_backend": "ray"}),
+    ("mp-head", {"spark_tensor_parallel_size": 2, "spark_distributed_backend": "mp", "spark_nnodes": 2,
+                 "spark_node_rank": 0, "spark_master_addr": "192.168.100.10", "spark_master_port": 29501}),
+    ("mp-worker", {"spark_tensor_parallel_size": 2, "spark_distributed_backend": "mp", "spark_nnodes": 2,
+                   "spark_node_rank": 1, "spark_master_addr": "192.168.100.10"}),
+]
+
+
+def settings(**overrides):
+    s = dict(SETTING_DEFAULTS)
+    s["spec_eagle3_drafter"] = "/drafters/qwen3.5-122b-eagle3"
+    s.update(overrides)
+    return s
+
+
+def methods_of(catalogue, variant):
+    return [m for m, e in catalogue.items() if e["vllm_variant"] == variant]
+
+
+def assert_parsed_matches(parsed: dict, s: dict, catalogue: dict, argv: list[str]) -> None:
+    method = s["spec_method"]
+    flags = catalogue[method]["serve_flags"]
+    assert parsed["model_tag"] == s["vllm_model_path"] == parsed["engine_model"]
+    assert parsed["served_model_name"] == [s["vllm_served_model_name"]]
+    assert parsed["host"] == s["vllm_host"]
+    assert parsed["port"] == s["vllm_port"]
+    assert parsed["max_model_len"] == s["vllm_max_model_len"]
+    expected_mem = min(s["vllm_gpu_memory_utilization"], flags.get("gpu_memory_utilization_cap", 1.0))
+    assert parsed["gpu_memory_utilization"] == pytest.approx(expected_mem)
+    assert (parsed["reasoning_parser"] or None) == (s["vllm_reasoning_parser"] or None)
+    spec = spark_speculative_config(s, catalogue)
+    assert parsed["speculative_config"] == spec
+    assert parsed["engine_speculative_config"] == spec
+    assert parsed["attention_backend"] == flags.get("attention_backend")
+    assert parsed["attention_backend_resolved"] == flags.get("attention_backend"), parsed
+    assert parsed["max_num_batched_tokens"] == flags.get("max_num_batched_tokens")
+    # stats stay on (speculative metrics), prefix caching off (Qwen3.5 on 0.19), no key in argv
+    assert parsed["disable_log_stats"] is False
+    assert parsed["enable_prefix_caching"] is False
+    assert parsed["api_key"] is None
+    assert parsed["tensor_parallel_size"] == s["spark_tensor_parallel_size"]
+    assert parsed["distributed_executor_backend"] == (s["spark_distributed_backend"] or None)
+    assert parsed["executor_backend_known"] is True
+    assert parsed["nnodes"] == s["spark_nnodes"]
+    assert parsed["node_rank"] == s["spark_node_rank"]
+    assert parsed["headless"] is (s["spark_nnodes"] > 1 and s["spark_node_rank"] > 0)
+    if s["spark_nnodes"] > 1:
+        assert parsed["master_addr"] == s["spark_master_addr"]
+        if s["spark_master_port"] is not None:
+            assert parsed["master_port"] == s["spark_master_port"]
+    if s["spark_distributed_backend"] == "ray":
+        # ParallelConfig accepted everything up to importing Ray (not installed here).
+        assert parsed["parallel_config"] == "needs_ray"
+    else:
+        assert parsed["parallel_config"] == "ok", parsed["parallel_config"]
+        assert parsed["parallel_world_size"] == s["spark_tensor_parallel_size"]
+
+
+# --- vLLM 0.19.1: every method it serves --------------------------------------------------------
+
+def test_contract_environment_is_0_19_1(vllm_module, variants):
+    assert vllm_module.__version__ == variants["v0_19_1"]["version"]
+
+
+@pytest.mark.parametrize(("case", "overrides"), MAIN_OPTIONS, ids=[c for c, _ in MAIN_OPTIONS])
+def test_rendered_argv_parses_on_0_19_1(vllm_module, catalogue, case, overrides):
+    methods = methods_of(catalogue, "v0_19_1")
+    assert set(methods) == {"baseline", "ngram", "mtp", "eagle3"}
+    for method in methods:
+        s = settings(spec_method=method, **overrides)
+        argv = spark_serve_argv(s, catalogue)
+        result = vllm_probe.parse_serve(argv)
+        assert result["ok"], f"{method}/{case}: vllm serve rejected {argv}: {result.get('stderr')}"
+        assert_parsed_matches(result["args"], s, catalogue, argv)
+
+
+def test_parser_rejects_unknown_flags(vllm_module):
+    """Proves the parse check can fail: an unknown flag exits 2 like `vllm serve` does."""
+    result = vllm_probe.parse_serve(["/model", "--no-such-flag", "1"])
+    assert not result["ok"]
+    assert result["exit_code"] == 2
+    assert "--no-such-flag" in result["stderr"]
+
+
+def test_bogus_attention_backend_is_caught(vllm_module):
+    result = vllm_probe.parse_serve(["/model", "--attention-backend", "FLASHINFERR"])
+    assert result["ok"]  # the parser keeps a string ...
+    assert "Unknown attention backend" in result["args"]["attention_backend_error"]  # ... vLLM does not
+
+
+def test_catalogue_methods_are_vllm_methods(vllm_module, catalogue):
+    accepted = vllm_probe.speculative_methods()
+    for method in methods_of(catalogue, "v0_19_1"):
+        spec = catalogue[method]["speculative_config"]
+        if spec is not None:
+            assert spec["method"] in accepted, method
+    assert "dflash" not in accepted  # why dflash needs the 0.20 build
+
+
+@pytest.mark.parametrize("overrides", [{}, {"spec_num_speculative_tokens": 16}, {"spec_ngram_lookup_min": 5}])
+def test_ngram_config_is_fully_built_by_vllm(vllm_module, catalogue, overrides):
+    spec = spark_speculative_config(settings(spec_method="ngram", **overrides), catalogue)
+    report = vllm_probe.check_speculative(spec)
+    assert report["field_errors"] == {}
+    assert report["constructed"], report["stage_error"]
+    assert report["built"]["method"] == "ngram"
+    assert report["built"]["num_speculative_tokens"] == spec["num_speculative_tokens"]
+    assert report["built"]["prompt_lookup_min"] == spec["prompt_lookup_min"]
+    assert report["built"]["prompt_lookup_max"] == spec["prompt_lookup_max"]
+
+
+def test_ngram_min_above_max_is_rejected_by_vllm_too(vllm_module):
+    """Our validation refuses min > max; so does vLLM (the rule is the same)."""
+    report = vllm_probe.check_speculative(
+        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 4, "prompt_lookup_max": 3})
+    assert not report["constructed"]
+    assert "prompt_lookup_min=4 must be <= prompt_lookup_max=3" in report["stage_error"]
+
+
+def test_mtp_config_reaches_the_mtp_setup(vllm_module, catalogue):
+    spec = spark_speculative_config(settings(spec_method="mtp"), catalogue)
+    report = vllm_probe.check_speculative(spec)
+    assert report["field_errors"] == {}
+    # Every field was accepted; construction stopped where MTP needs the target model's config.
+    assert "target_model_config must be present for mtp" in report["stage_error"]
+
+
+def test_eagle3_config_fields_are_accepted(vllm_module, catalogue):
+    spec = spark_speculative_config(settings(spec_method="eagle3"), catalogue)
+    report = vllm_probe.check_speculative(spec)
+    assert report["field_errors"] == {}
+    # Construction reaches the drafter setup, which reads the target model's config (none here).
+    assert not report["stage_error"].startswith("ValidationError"), report["stage_error"]
+    assert "tokenizer" in report["stage_error"]
+
+
+def test_bad_speculative_fields_are_caught(vllm_module):
+    """Proves the field check can fail: a misspelt key and a zero token count."""
+    report = vllm_probe.check_speculative(
+        {"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_minimum": 2})
+    assert set(report["field_errors"]) == {"num_speculative_tokens", "prompt_lookup_minimum"}
+
+
+def test_dflash_is_rejected_by_0_19_1(vllm_module, catalogue):
+    spec = spark_speculative_config(settings(spec_method="dflash"), catalogue)
+    report = vllm_probe.check_speculative(spec)
+    assert "method" in report["field_errors"]
+    assert report["stage_error"].startswith("ValidationError")
+    assert "dflash" in report["stage_error"]
+
+
+# --- vLLM 0.20.0: dflash ------------------------------------------------------------------------
+
+def overlay_dir(variants) -> Path:
+    version = variants["v0_20_dflash"]["version"]
+    return ROOT / ".cache" / f"vllm-{version}-py"
+
+
+def run_probe_020(variants, requests: list[dict]) -> list[dict]:
+    overlay = overlay_dir(variants)
+    if not (overlay / ".complete").exists():
+        pytest.skip(f"{overlay} is missing: run tests/contract/setup_vllm_env.sh (it fetches the vLLM "
+                    f"{variants['v0_20_dflash']['version']} wheel without dependencies)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(CONTRACT_DIR)]))
+    proc = subprocess.run(
+        [sys.executable, str(CONTRACT_DIR / "vllm_probe.py")], input=json.dumps(requests), env=env,
+        capture_output=True, text=True, timeout=600, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VLLM_PROBE_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def dflash_answers(vllm_module, catalogue, variants):
+    cases = [settings(spec_method="dflash", **o) for _, o in MAIN_OPTIONS]
+    requests = [{"argv": spark_serve_argv(s, catalogue)} for s in cases]
+    requests.append({"speculative": spark_speculative_config(cases[0], catalogue)})
+    requests.append({"argv": ["/model", "--no-such-flag"]})
+    answers = run_probe_020(variants, requests)
+    return cases, answers
+
+
+def test_dflash_probe_ran_vllm_0_20(dflash_answers, variants):
+    _, answers = dflash_answers
+    assert answers[0]["vllm_version"] == variants["v0_20_dflash"]["version"]
+    assert "dflash" in answers[0]["methods"]
+
+
+@pytest.mark.parametrize("index", range(len(MAIN_OPTIONS)), ids=[c for c, _ in MAIN_OPTIONS])
+def test_dflash_argv_parses_on_0_20(dflash_answers, catalogue, index):
+    cases, answers = dflash_answers
+    result = answers[1 + index]
+    assert result["ok"], result.get("stderr")
+    assert_parsed_matches(result["args"], cases[index], catalogue, [])
+    assert result["args"]["attention_backend"] == "FLASH_ATTN"
+    assert result["args"]["max_num_batched_tokens"] == 4096
+    assert result["args"]["gpu_memory_utilization"] <= 0.85
+
+
+def test_dflash_config_fields_accepted_by_0_20(dflash_answers):
+    _, answers = dflash_answers
+    report = answers[1 + len(MAIN_OPTIONS)]
+    assert report["field_errors"] == {}
+    # Construction reaches the drafter setup, which reads the target model's config (none here).
+    assert not report["stage_error"].startswith("ValidationError"), report["stage_error"]
+
+
+def test_dflash_probe_can_fail(dflash_answers):
+    _, answers = dflash_answers
+    result = answers[2 + len(MAIN_OPTIONS)]
+    assert not result["ok"] and result["exit_code"] == 2
