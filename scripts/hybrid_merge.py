@@ -35,7 +35,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkllm.checkpoint import (
@@ -72,6 +72,7 @@ class MergeResult:
     out: Path
     summary: dict[str, object]
     seconds: float
+    timings: dict[str, float] = field(default_factory=dict)  # plan / copy / fsync phases
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -159,7 +160,6 @@ def write_shard(shard: OutShard, path: Path) -> dict[str, object]:
                 copy_ranges(fd, dst.fileno(), ranges)
             finally:
                 os.close(fd)
-        os.fsync(dst.fileno())
     size = path.stat().st_size
     if size != len(header) + shard.data_bytes:
         raise CheckpointError(f"{path}: wrote {size} bytes, expected {len(header) + shard.data_bytes}")
@@ -209,14 +209,33 @@ def patch_config(tmp: Path, prov: dict[str, object]) -> None:
     write_json_atomic(cfg, doc)
 
 
-def execute(plan: MergePlan, int4: Path, fp8: Path, out: Path, digest: str) -> None:
+def fsync_tree(root: Path) -> None:
+    """fsync every file under ``root`` and the directories themselves.
+
+    Done once at the end rather than per shard so that kernel write-back of earlier shards
+    overlaps with copying later ones.
+    """
+    for p in sorted(root.rglob("*")):
+        fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if p.is_dir() else 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(root)
+
+
+def execute(
+    plan: MergePlan, int4: Path, fp8: Path, out: Path, digest: str, timings: dict[str, float]
+) -> None:
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         outputs: dict[str, object] = {}
+        t0 = time.monotonic()
         for shard in plan.shards:
             outputs[shard.name] = write_shard(shard, tmp / shard.name)
+        timings["copy"] = time.monotonic() - t0
         copy_side_files(int4, tmp, plan)
         patch_config(tmp, provenance(int4, fp8, plan))
         write_json_atomic(tmp / INDEX_NAME, plan_index(plan))
@@ -229,7 +248,9 @@ def execute(plan: MergePlan, int4: Path, fp8: Path, out: Path, digest: str) -> N
                 "created": time.time(),
             },
         )
-        fsync_dir(tmp)
+        t0 = time.monotonic()
+        fsync_tree(tmp)
+        timings["fsync"] = time.monotonic() - t0
         old = out.with_name(f"{out.name}.old-{os.getpid()}")
         if out.exists():
             os.replace(out, old)
@@ -278,8 +299,9 @@ def run(
     plan = plan_merge(int4, fp8)
     if dry_run:
         return None, plan
-    execute(plan, int4, fp8, out, digest)
-    return MergeResult(True, out, plan.summary(), time.monotonic() - start), plan
+    timings = {"plan": time.monotonic() - start}
+    execute(plan, int4, fp8, out, digest, timings)
+    return MergeResult(True, out, plan.summary(), time.monotonic() - start, timings), plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                     "changed": result.changed,
                     "out": str(result.out),
                     "seconds": round(result.seconds, 3),
+                    "phases": {k: round(v, 3) for k, v in result.timings.items()},
                     "summary": result.summary,
                 }
             )

@@ -16,6 +16,7 @@ Everything generated is removed at the end unless --keep.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -69,16 +70,17 @@ def files_in(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file())
 
 
-def run_wait4(argv: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS MiB) of a child process."""
+def run_wait4(argv: list[str]) -> tuple[float, float, str]:
+    """(seconds, peak RSS MiB, stdout) of a child process (stdout must be small)."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.monotonic() - start
+    out = proc.stdout.read() if proc.stdout else ""
     if proc.returncode != 0:
         raise SystemExit(f"{argv[0]} failed with exit code {proc.returncode}")
-    return seconds, usage.ru_maxrss / 1024
+    return seconds, usage.ru_maxrss / 1024, out
 
 
 def one_round(work: Path, size_bytes: int) -> Round:
@@ -111,8 +113,10 @@ def one_round(work: Path, size_bytes: int) -> Round:
         str(pair.fp8_dir),
         "--out",
         str(out),
+        "--json",
     ]
-    merge_seconds, rss = run_wait4(argv)
+    merge_seconds, rss, stdout = run_wait4(argv)
+    print(f"  merge phases (s): {json.loads(stdout).get('phases')}", flush=True)
     merge_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     return Round(size_bytes, cp_seconds, cp_bytes, merge_seconds, merge_bytes, rss)
 

@@ -286,3 +286,44 @@ def test_extract_of_extract_config(tmp_path: Path) -> None:
     pair = generate(tmp_path / "e", replace(CFG, fp8_mode="extract"))
     names = set(read_header(pair.fp8_dir / "fp8-extract.safetensors").tensors)
     assert set(pair.expected_taken) <= names
+
+
+def test_hf_hub_client_maps_hub_metadata(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import huggingface_hub
+    from huggingface_hub.hf_api import RepoFile, RepoFolder
+
+    calls: dict[str, object] = {}
+
+    class FakeApi:
+        def __init__(self, endpoint: str, token: str | None) -> None:
+            calls["api"] = (endpoint, token)
+
+        def list_repo_files(self, repo: str, revision: str) -> list[str]:
+            return ["a.safetensors", "config.json", "sub"]
+
+        def get_paths_info(self, repo: str, paths: list[str], revision: str, expand: bool) -> list:
+            return [
+                RepoFile(
+                    path="a.safetensors",
+                    size=10,
+                    oid="b1",
+                    lfs={"oid": "f" * 64, "size": 10, "pointerSize": 1},
+                ),
+                RepoFile(path="config.json", size=3, oid="c" * 40),
+                RepoFolder(path="sub", oid="d"),
+            ]
+
+    def fake_download(repo, name, revision, local_dir, token, endpoint) -> str:
+        calls["download"] = (repo, name, revision, token, endpoint)
+        return str(Path(local_dir) / name)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    client = fc.HfHubClient("o/r", "rev", "http://hub", SECRET)
+    files = client.list_files()
+    assert files == [
+        fc.RemoteFile("a.safetensors", 10, "f" * 64, "b1"),
+        fc.RemoteFile("config.json", 3, None, "c" * 40),
+    ]
+    assert client.download("a.safetensors", tmp_path) == tmp_path / "a.safetensors"
+    assert calls["download"] == ("o/r", "a.safetensors", "rev", SECRET, "http://hub")
