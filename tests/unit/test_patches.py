@@ -1,0 +1,127 @@
+"""The vLLM patch series under patches/: present, listed, well-formed unified diffs.
+
+Whether the patches apply to, and work with, the real vLLM is the contract tests' job
+(tests/contract/test_inc_hybrid_patch_contract.py).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PATCHES = ROOT / "patches"
+VERSION_DIRS = sorted(p for p in PATCHES.glob("vllm-*") if p.is_dir())
+HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def series(directory: Path) -> list[str]:
+    return [ln.strip() for ln in (directory / "series").read_text().splitlines()
+            if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def parse_unified_diff(text: str) -> list[dict]:
+    """Files of a unified diff with their hunks; raises AssertionError on malformed input."""
+    lines = text.splitlines()
+    files: list[dict] = []
+    i = 0
+    while i < len(lines) and not lines[i].startswith(("diff --git ", "--- ")):
+        i += 1  # description above the first diff
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("diff --git "):
+            i += 1
+            continue
+        if line.startswith(("index ", "new file mode", "deleted file mode", "old mode", "new mode")):
+            i += 1
+            continue
+        assert line.startswith("--- "), f"line {i + 1}: expected '--- a/...', got {line!r}"
+        assert lines[i + 1].startswith("+++ "), f"line {i + 2}: expected '+++ b/...'"
+        old, new = line[4:].split("\t")[0], lines[i + 1][4:].split("\t")[0]
+        entry = {"old": old, "new": new, "hunks": 0}
+        files.append(entry)
+        i += 2
+        while i < len(lines) and lines[i].startswith("@@"):
+            m = HUNK.match(lines[i])
+            assert m, f"line {i + 1}: bad hunk header {lines[i]!r}"
+            old_n = int(m.group(2) if m.group(2) is not None else 1)
+            new_n = int(m.group(4) if m.group(4) is not None else 1)
+            i += 1
+            while old_n > 0 or new_n > 0:
+                assert i < len(lines), "hunk ends early"
+                body = lines[i]
+                if body.startswith("\\"):  # "\ No newline at end of file"
+                    i += 1
+                    continue
+                tag = body[:1] if body else " "
+                assert tag in " +-", f"line {i + 1}: unexpected {body!r} inside a hunk"
+                if tag in " -":
+                    old_n -= 1
+                if tag in " +":
+                    new_n -= 1
+                assert old_n >= 0 and new_n >= 0, f"line {i + 1}: hunk longer than its header says"
+                i += 1
+            while i < len(lines) and lines[i].startswith("\\"):
+                i += 1
+            entry["hunks"] += 1
+        assert entry["hunks"] > 0, f"{old}: no hunks"
+    return files
+
+
+def test_there_is_a_series_for_0_19_1():
+    assert (PATCHES / "vllm-0.19.1" / "series").is_file()
+    assert "0001-inc-hybrid-fp8.patch" in series(PATCHES / "vllm-0.19.1")
+    assert (PATCHES / "README.md").is_file()
+
+
+@pytest.mark.parametrize("directory", VERSION_DIRS, ids=[d.name for d in VERSION_DIRS])
+def test_series_lists_exactly_the_patch_files(directory):
+    listed = series(directory)
+    assert listed, f"{directory}/series is empty"
+    assert len(listed) == len(set(listed)), "a patch is listed twice"
+    on_disk = sorted(p.name for p in directory.glob("*.patch"))
+    assert sorted(listed) == on_disk
+    assert listed == sorted(listed), "series order should follow the NNNN- numbering"
+    for name in listed:
+        assert re.fullmatch(r"\d{4}-[a-z0-9-]+\.patch", name), name
+
+
+@pytest.mark.parametrize(
+    "patch", [p for d in VERSION_DIRS for p in sorted(d.glob("*.patch"))],
+    ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_patch_is_a_well_formed_unified_diff(patch):
+    text = patch.read_text()
+    assert text.endswith("\n")
+    files = parse_unified_diff(text)
+    assert files
+    for f in files:
+        # paths relative to the vLLM repo root, git style (git apply / patch -p1)
+        assert f["old"].startswith("a/vllm/") and f["new"].startswith("b/vllm/"), f
+        assert f["old"][2:] == f["new"][2:]
+    assert "\r" not in text
+
+
+def test_inc_patch_targets_inc_py_and_says_what_it_does():
+    patch = PATCHES / "vllm-0.19.1" / "0001-inc-hybrid-fp8.patch"
+    text = patch.read_text()
+    files = parse_unified_diff(text)
+    assert [f["new"] for f in files] == ["b/vllm/model_executor/layers/quantization/inc.py"]
+    header = text.split("diff --git", 1)[0]
+    assert "Subject:" in header and "FP8" in header
+    added = "\n".join(ln for ln in text.splitlines() if ln.startswith("+"))
+    for needle in ("def maybe_update_config", "weight_scale_inv", "F8_E4M3", "Fp8Config",
+                   'activation_scheme="dynamic"', "weight_block_size", "logger.info"):
+        assert needle in added, needle
+
+
+@pytest.mark.parametrize("bad", [
+    "--- a/x\n+++ b/x\n@@ -1,2 +1,2 @@\n-a\n+b\n",          # hunk shorter than its header
+    "--- a/x\n@@ -1 +1 @@\n-a\n+b\n",                        # no +++ line
+    "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n?junk\n",        # junk where the next file should be
+    "--- a/x\n+++ b/x\n",                                     # no hunks
+])
+def test_parser_rejects_malformed_diffs(bad):
+    with pytest.raises(AssertionError):
+        parse_unified_diff(bad)
