@@ -17,6 +17,7 @@ A few settings are not user knobs in main.yml; roles add them when they apply:
 
 Example (a playbook)::
 
+    spark_settings: "{{ hostvars[inventory_hostname] | spark_settings }}"
     vllm_serve_argv: "{{ spark_settings | spark_serve_argv(spark_method_catalogue) }}"
 """
 
@@ -350,6 +351,18 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
     return [str(a) for a in argv]
 
 
+def spark_settings(variables: Mapping) -> dict:
+    """The settings this module reads, picked from a mapping of variables (e.g. a host's hostvars).
+
+    Names the mapping does not define are left out (they take SETTING_DEFAULTS).
+    """
+    picked = {}
+    for name in SETTING_DEFAULTS:
+        if name in variables:
+            picked[name] = variables[name]
+    return picked
+
+
 def spark_method_variant(method: str, catalogue: Mapping, variants: Mapping) -> dict:
     """The vLLM build (spark_vllm_variants entry, plus its key as ``name``) a method needs."""
     entry = _entry(catalogue, method)
@@ -365,7 +378,7 @@ def spark_method_variant(method: str, catalogue: Mapping, variants: Mapping) -> 
 
 class FilterModule:
     """Ansible filters: spark_method_settings_errors, spark_speculative_config, spark_serve_argv,
-    spark_method_variant."""
+    spark_method_variant, spark_settings."""
 
     def filters(self):
         return {
@@ -373,4 +386,5 @@ class FilterModule:
             "spark_speculative_config": spark_speculative_config,
             "spark_serve_argv": spark_serve_argv,
             "spark_method_variant": spark_method_variant,
+            "spark_settings": spark_settings,
         }

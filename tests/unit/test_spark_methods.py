@@ -435,3 +435,13 @@ def test_several_errors_reported_together(catalogue):
 def test_non_mapping_inputs(catalogue):
     assert spark_method_settings_errors(None, catalogue)
     assert "methods.yml" in spark_method_settings_errors(settings(), {})[0]
+
+
+def test_spark_settings_picks_known_names_only(catalogue):
+    from spark_methods import spark_settings
+
+    hostvars = {"spec_method": "ngram", "vllm_port": 9000, "inventory_hostname": "spark", "ansible_x": 1}
+    picked = spark_settings(hostvars)
+    assert picked == {"spec_method": "ngram", "vllm_port": 9000}
+    assert "spark_settings" in FilterModule().filters()
+    assert opt(spark_serve_argv(picked, catalogue), "--port") == "9000"
