@@ -1,0 +1,57 @@
+"""The bench stage measured the stand-in server and its results reached the controller."""
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+RESULTS = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "results"
+
+
+def _runs():
+    return [json.loads(p.read_text()) for p in sorted((RESULTS / "runs" / "spark-bench").glob("*.json"))]
+
+
+def test_one_run_fetched_despite_two_converges():
+    runs = _runs()
+    assert len(runs) == 1, "idempotent rerun must not measure the same cell again"
+
+
+def test_run_is_valid_and_measures_speculation():
+    run = _runs()[0]
+    assert run["valid"], run["problems"]
+    assert run["label"] == "mtp-k2"
+    assert run["summary"]["decode_tok_s"]["median"] > 0
+    spec = run["spec"]
+    assert len(spec["per_position"]) == 2
+    # stand-in ground truth: conditional acceptance 0.8 then 0.5 -> p0 ~ 0.8, p1 ~ 0.4
+    assert 0.6 < spec["per_position"][0] < 0.95
+    assert spec["per_position"][1] < spec["per_position"][0]
+    assert 1.0 < spec["mean_acceptance_length"] < 3.0
+
+
+def test_run_records_what_was_served():
+    meta = _runs()[0]["meta"]
+    assert meta["method"] == "mtp"
+    assert meta["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert "--speculative-config" in meta["serve_argv"]
+    assert meta["topology"]["tensor_parallel_size"] in (1, "1")
+    assert meta["config_hash"]
+
+
+def test_store_holds_the_run_once():
+    with sqlite3.connect(RESULTS / "results.sqlite") as db:
+        rows = db.execute("SELECT label, valid FROM runs").fetchall()
+    assert rows == [("mtp-k2", 1)]
+
+
+def test_report_was_written_with_the_method():
+    report = (RESULTS / "report" / "report.md").read_text()
+    assert "mtp-k2" in report
+    assert list((RESULTS / "report").glob("*.png"))
+
+
+def test_fact_remembers_the_cell(host):
+    fact = json.loads(host.file("/etc/ansible/facts.d/spark_bench.fact").content_string)
+    (run_id,) = fact["cells"].values()
+    assert run_id == _runs()[0]["run_id"]
