@@ -1,0 +1,195 @@
+"""Behaviour of the serve stage on the systemd test host, with the stand-in server image.
+
+Order matters (every test takes the ``host`` fixture so pytest keeps file order): the module starts with mtp converged, switches to ngram, then makes mtp fail
+(rollback to ngram), then exercises the bind/API-key rules.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from playbook_runner import run_playbook
+
+PORT = 18431
+METHODS = ["baseline", "ngram", "mtp", "eagle3", "dflash"]
+UNIT = "sparkllm-vllm-{}.service"
+CONTAINER = "molserve-vllm-{}"
+CONF = "/etc/sparkllm/serve"
+SECRETS = f"{CONF}/secrets.env"
+FACT = "/etc/ansible/facts.d/spark_serve.fact"
+TOKEN = "hf_MOLECULEserveFAKEtoken0123456789"  # host_vars/spark-serve.yml
+KEY_FILE = "/etc/sparkllm-test-api-key"  # prepare.yml
+API_KEY = "sk-molecule-serve-KEY-9f3a"
+ROLLBACK_MSG = "mtp failed to become ready; rolled back to ngram, which is serving"
+
+
+def _models(host) -> list[str]:
+    out = host.check_output(f"curl -sf --max-time 5 http://127.0.0.1:{PORT}/v1/models")
+    return [m["id"] for m in json.loads(out)["data"]]
+
+
+def _inspect(host, method: str) -> dict:
+    return json.loads(host.check_output(f"docker inspect {CONTAINER.format(method)}"))[0]
+
+
+def _container_exists(host, method: str) -> bool:
+    return host.run(f"docker inspect {CONTAINER.format(method)}").rc == 0
+
+
+def _fact(host) -> dict:
+    return json.loads(host.file(FACT).content_string)
+
+
+def _env_words(host, method: str, var: str) -> list[str]:
+    """Read the method's env file the way its unit does (systemd quoting, then /bin/sh words)."""
+    script = (f'set -a; . {CONF}/{method}.env; eval "set -- ${var}"; '
+              'for a in "$@"; do printf "%s\\0" "$a"; done')
+    out = host.check_output("sh -c %s", script)
+    return [w for w in out.split("\0") if w]
+
+
+def _option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def _assert_only_active(host, method: str) -> None:
+    for m in METHODS:
+        svc = host.service(UNIT.format(m))
+        if m == method:
+            assert svc.is_running, f"{m} should be running"
+            assert svc.is_enabled, f"{m} should be enabled"
+        else:
+            assert not svc.is_running, f"{m} should be stopped"
+            assert not svc.is_enabled, f"{m} should be disabled"
+            assert not _container_exists(host, m)
+    assert _inspect(host, method)["State"]["Running"]
+
+
+def test_mtp_unit_runs_alone_and_answers(host):
+    _assert_only_active(host, "mtp")
+    assert _models(host) == ["qwen3.5-122b"]
+
+
+def test_speculative_config_survives_env_file_and_systemd(host):
+    args = _inspect(host, "mtp")["Args"]
+    assert args[0] == "serve"
+    assert json.loads(_option(args, "--speculative-config")) == {"method": "mtp", "num_speculative_tokens": 2}
+    assert _option(args, "--speculative-config") == '{"method":"mtp","num_speculative_tokens":2}'
+    assert _option(args, "--attention-backend") == "FLASHINFER"
+    assert _option(args, "--port") == str(PORT)
+    assert _option(args, "--host") == "127.0.0.1"
+    assert "--no-enable-prefix-caching" in args
+    assert "--disable-log-stats" not in args
+    # the env file says the same thing as what the container got
+    assert ["serve"] + _env_words(host, "mtp", "SPARKLLM_SERVE_ARGS") == args
+
+
+def test_container_runs_with_host_ipc_network_and_mounts(host):
+    hc = _inspect(host, "mtp")["HostConfig"]
+    assert hc["NetworkMode"] == "host"
+    assert hc["IpcMode"] == "host"
+    assert hc["Init"] is True
+    binds = set(hc["Binds"])
+    assert "/tmp/molecule-serve/model:/model:ro" in binds
+    for sub, path in [("vllm", "/root/.cache/vllm"), ("flashinfer", "/root/.cache/flashinfer"),
+                      ("triton", "/root/.triton"), ("huggingface", "/root/.cache/huggingface")]:
+        assert f"/tmp/molecule-serve/cache/{sub}:{path}" in binds
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_unit_passes_systemd_analyze_verify(host, method):
+    res = host.run(f"systemd-analyze verify /etc/systemd/system/{UNIT.format(method)}")
+    assert res.rc == 0, res.stderr
+    assert res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_unit_conflicts_with_every_other_method(host, method):
+    conflicts = set(host.check_output(f"systemctl show -p Conflicts --value {UNIT.format(method)}").split())
+    others = {UNIT.format(m) for m in METHODS if m != method}
+    assert others <= conflicts
+    props = host.check_output(f"systemctl show -p Type -p Restart -p TimeoutStartUSec {UNIT.format(method)}")
+    assert "Type=exec" in props and "Restart=on-failure" in props and "TimeoutStartUSec=20min" in props
+
+
+def test_hf_token_only_in_the_root_only_secrets_file(host):
+    hits = host.run(f"grep -rl {TOKEN} /etc/systemd/system /etc/sparkllm /etc/ansible").stdout.split()
+    assert hits == [SECRETS]
+    f = host.file(SECRETS)
+    assert (f.user, f.group, f.mode) == ("root", "root", 0o600)
+    info = _inspect(host, "mtp")
+    assert TOKEN not in json.dumps(info["Args"]) + json.dumps(info["Path"])
+    assert f"HF_TOKEN={TOKEN}" in info["Config"]["Env"]  # delivered through --env-file
+    assert TOKEN not in host.check_output("ps -eo args")
+
+
+def test_fact_remembers_method_hash_and_image(host):
+    fact = _fact(host)
+    assert fact["active_method"] == "mtp"
+    assert fact["image"] == "serve-standin:test"
+    assert len(fact["config_hash"]) == 64
+    assert host.file(FACT).mode == 0o644
+
+
+def test_switch_to_ngram_stops_mtp(host):
+    assert host.service(UNIT.format("mtp")).is_running
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "ngram"})
+    assert res.rc == 0, res.output[-3000:]
+    assert TOKEN not in res.output
+
+
+def test_ngram_is_the_only_server_after_switch(host):
+    _assert_only_active(host, "ngram")
+    assert _models(host) == ["qwen3.5-122b"]
+    spec = json.loads(_option(_inspect(host, "ngram")["Args"], "--speculative-config"))
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 5
+    assert "--attention-backend" not in _inspect(host, "ngram")["Args"]
+    assert _fact(host)["active_method"] == "ngram"
+
+
+def test_failing_method_rolls_back_to_ngram(host):
+    res = run_playbook("playbooks/serve.yml",
+                       {"spec_method": "mtp", "serve_container_env": {"STANDIN_FAIL": "1"}})
+    assert res.rc != 0
+    assert ROLLBACK_MSG in res.output
+    assert "journalctl -u sparkllm-vllm-mtp.service" in res.output
+    assert "STANDIN_FAIL=1, refusing to start" in res.output  # the failed unit's journal was printed
+    assert TOKEN not in res.output
+    _assert_only_active(host, "ngram")
+    assert _models(host) == ["qwen3.5-122b"]
+    fact = _fact(host)
+    assert fact["active_method"] == "ngram"
+
+
+def test_non_loopback_bind_without_key_is_refused(host):
+    before = _inspect(host, "ngram")["Id"]
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "ngram", "vllm_host": "0.0.0.0"})
+    assert res.rc != 0
+    assert "vllm_host='0.0.0.0'" in res.output
+    assert "vllm_api_key_file" in res.output and "vllm_allow_unauthenticated_bind" in res.output
+    assert _inspect(host, "ngram")["Id"] == before  # nothing was touched
+
+
+def test_open_bind_opt_out_is_warned_about_in_check_mode(host):
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "ngram", "vllm_host": "0.0.0.0",
+                                               "vllm_allow_unauthenticated_bind": True},
+                       extra_args=["--check", "--diff"])
+    assert res.rc == 0, res.output[-3000:]
+    assert "WARNING: vllm_host=0.0.0.0 exposes the API" in res.output
+    assert TOKEN not in res.output
+    assert _inspect(host, "ngram")["State"]["Running"]
+
+
+def test_non_loopback_bind_with_key_file(host):
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "ngram", "vllm_host": "0.0.0.0",
+                                               "vllm_api_key_file": KEY_FILE})
+    assert res.rc == 0, res.output[-3000:]
+    assert API_KEY not in res.output and TOKEN not in res.output
+    info = _inspect(host, "ngram")
+    assert _option(info["Args"], "--host") == "0.0.0.0"
+    assert API_KEY not in json.dumps(info["Args"])
+    assert f"VLLM_API_KEY={API_KEY}" in info["Config"]["Env"]
+    hits = host.run(f"grep -rl {API_KEY} /etc/systemd/system /etc/sparkllm /etc/ansible").stdout.split()
+    assert hits == [SECRETS]
+    assert _models(host) == ["qwen3.5-122b"]
