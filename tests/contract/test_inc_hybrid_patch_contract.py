@@ -20,10 +20,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CONTRACT_DIR, ROOT
 from hybrid_checkpoint import write_hybrid
 
 pytestmark = pytest.mark.vllm_contract
+
+CONTRACT_DIR = Path(__file__).resolve().parent
+ROOT = CONTRACT_DIR.parents[1]
 
 PATCH_DIR = ROOT / "patches" / "vllm-0.19.1"
 PATCH = PATCH_DIR / "0001-inc-hybrid-fp8.patch"

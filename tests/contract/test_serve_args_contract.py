@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import vllm_probe
-from conftest import CONTRACT_DIR, ROOT
 from spark_methods import SETTING_DEFAULTS, spark_serve_argv, spark_speculative_config
 
 pytestmark = pytest.mark.vllm_contract
+
+CONTRACT_DIR = Path(__file__).resolve().parent
+ROOT = CONTRACT_DIR.parents[1]
 
 # Settings cases: (id, overrides). Each is rendered for every method the variant serves.
 MAIN_OPTIONS = [
