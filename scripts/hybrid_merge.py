@@ -91,11 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def remove_stale_temps(out: Path) -> list[Path]:
-    """Remove <out>.tmp-<pid> siblings whose process is gone."""
+    """Remove <out>.tmp-<pid> / <out>.old-<pid> siblings whose process is gone."""
     removed: list[Path] = []
     if not out.parent.is_dir():
         return removed
-    for p in out.parent.glob(f"{out.name}.tmp-*"):
+    leftovers = [*out.parent.glob(f"{out.name}.tmp-*"), *out.parent.glob(f"{out.name}.old-*")]
+    for p in leftovers:
         pid_text = p.name.rsplit("-", 1)[-1]
         if pid_text.isdigit() and int(pid_text) != os.getpid() and _pid_alive(int(pid_text)):
             continue
@@ -154,11 +155,15 @@ def write_shard(shard: OutShard, path: Path) -> dict[str, object]:
                 by_src[-1][1].append(ByteRange(t.offset, t.length))
             else:
                 by_src.append((t.src, [ByteRange(t.offset, t.length)]))
-        for src, ranges in by_src:
-            fd = os.open(src, os.O_RDONLY)
-            try:
-                copy_ranges(fd, dst.fileno(), ranges)
-            finally:
+        fds: dict[Path, int] = {}
+        try:
+            for src, ranges in by_src:
+                if src not in fds:  # one fd per source keeps its readahead state across runs
+                    fds[src] = os.open(src, os.O_RDONLY)
+                    os.posix_fadvise(fds[src], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                copy_ranges(fds[src], dst.fileno(), ranges)
+        finally:
+            for fd in fds.values():
                 os.close(fd)
     size = path.stat().st_size
     if size != len(header) + shard.data_bytes:

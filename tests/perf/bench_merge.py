@@ -8,6 +8,7 @@ DIR/bench-merge-<pid>/, then times, with cold page cache for the inputs (posix_f
 after sync) and including the final flush to disk for both:
   * `cp --reflink=never` of the INT4 *.safetensors files (about the same bytes as the merge output),
   * scripts/hybrid_merge.py as a subprocess; its peak RSS comes from os.wait4's rusage.
+cp and merge alternate --reps times (default 3; shared disks are noisy) and medians are used.
 Prints throughput (output bytes / second) of each, the ratio merge/cp (goal >= 0.8) and the merge's
 peak RSS in MiB (goal <= 256 and flat). --double repeats at twice the size to show RSS stays flat.
 Everything generated is removed at the end unless --keep.
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -83,7 +85,32 @@ def run_wait4(argv: list[str]) -> tuple[float, float, str]:
     return seconds, usage.ru_maxrss / 1024, out
 
 
-def one_round(work: Path, size_bytes: int) -> Round:
+def time_cp(inputs: list[Path], shards: list[Path], cp_dir: Path) -> tuple[float, int]:
+    evict(inputs)
+    cp_dir.mkdir()
+    start = time.monotonic()
+    subprocess.run(["cp", "--reflink=never", *map(str, shards), str(cp_dir)], check=True)
+    os.sync()
+    seconds = time.monotonic() - start
+    nbytes = sum(p.stat().st_size for p in cp_dir.iterdir())
+    shutil.rmtree(cp_dir)
+    os.sync()
+    return seconds, nbytes
+
+
+def time_merge(inputs: list[Path], int4: Path, fp8: Path, out: Path) -> tuple[float, int, float]:
+    evict(inputs)
+    argv = [sys.executable, str(MERGE), "--int4", str(int4), "--fp8", str(fp8), "--out", str(out), "--json"]
+    seconds, rss, stdout = run_wait4(argv)
+    print(f"  merge {seconds:.1f}s, phases (s): {json.loads(stdout).get('phases')}", flush=True)
+    nbytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    shutil.rmtree(out)
+    os.sync()
+    return seconds, nbytes, rss
+
+
+def one_round(work: Path, size_bytes: int, reps: int) -> Round:
+    """Interleaved cp / merge repetitions; medians of the times, max of the peak RSS."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     t0 = time.monotonic()
@@ -91,34 +118,20 @@ def one_round(work: Path, size_bytes: int) -> Round:
     print(f"  generated {pair.int4_bytes / 1e9:.2f} GB INT4 pair in {time.monotonic() - t0:.0f}s", flush=True)
     inputs = files_in(pair.int4_dir) + files_in(pair.fp8_dir)
     shards = sorted(pair.int4_dir.glob("*.safetensors"))
-
-    evict(inputs)
-    cp_dir = work / "cp"
-    cp_dir.mkdir()
-    start = time.monotonic()
-    subprocess.run(["cp", "--reflink=never", *map(str, shards), str(cp_dir)], check=True)
-    os.sync()
-    cp_seconds = time.monotonic() - start
-    cp_bytes = sum(p.stat().st_size for p in cp_dir.iterdir())
-    shutil.rmtree(cp_dir)
-
-    evict(inputs)
-    out = work / "merged"
-    argv = [
-        sys.executable,
-        str(MERGE),
-        "--int4",
-        str(pair.int4_dir),
-        "--fp8",
-        str(pair.fp8_dir),
-        "--out",
-        str(out),
-        "--json",
-    ]
-    merge_seconds, rss, stdout = run_wait4(argv)
-    print(f"  merge phases (s): {json.loads(stdout).get('phases')}", flush=True)
-    merge_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    return Round(size_bytes, cp_seconds, cp_bytes, merge_seconds, merge_bytes, rss)
+    cps: list[float] = []
+    merges: list[float] = []
+    rss_max = 0.0
+    cp_bytes = merge_bytes = 0
+    for _ in range(reps):
+        seconds, cp_bytes = time_cp(inputs, shards, work / "cp")
+        print(f"  cp {seconds:.1f}s", flush=True)
+        cps.append(seconds)
+        seconds, merge_bytes, rss = time_merge(inputs, pair.int4_dir, pair.fp8_dir, work / "merged")
+        merges.append(seconds)
+        rss_max = max(rss_max, rss)
+    return Round(
+        size_bytes, statistics.median(cps), cp_bytes, statistics.median(merges), merge_bytes, rss_max
+    )
 
 
 def report(r: Round) -> None:
@@ -137,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, required=True, help="scratch directory on the disk to measure")
     p.add_argument("--double", action="store_true", help="repeat at twice the size (RSS flatness)")
     p.add_argument("--keep", action="store_true", help="keep generated files")
+    p.add_argument("--reps", type=int, default=3, help="interleaved cp/merge repetitions (medians reported)")
     a = p.parse_args(argv)
     size = int(a.size_gb * 1e9)
     need = 3.2 * size * (2 if a.double else 1)
@@ -151,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for s in [size, 2 * size] if a.double else [size]:
             print(f"round at {s / 1e9:.1f} GB", flush=True)
-            rounds.append(one_round(work, s))
+            rounds.append(one_round(work, s, a.reps))
             report(rounds[-1])
     finally:
         if not a.keep:

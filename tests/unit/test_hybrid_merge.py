@@ -220,8 +220,10 @@ def test_crash_mid_merge_leaves_no_output_and_rerun_succeeds(
     stale = tmp_path / "out.tmp-999999999"
     stale.mkdir()
     (stale / "model-00001-of-00003.safetensors").write_bytes(b"partial")
+    old = tmp_path / "out.old-999999998"  # killed between the two renames
+    old.mkdir()
     assert merge(pair, out) == 0
-    assert not stale.exists()
+    assert not stale.exists() and not old.exists()
     assert ck.verify_checkpoint(out, expect_mtp=True, expect_hybrid=True).ok
 
 
