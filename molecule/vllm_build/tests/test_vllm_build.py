@@ -1,0 +1,199 @@
+"""Behaviour of the build stage on the systemd test host, with the machine's Docker engine.
+
+The converge built the v0_19_1 variant from the test build context (stand-in Dockerfile, real
+patch series applied with `git apply --check`, real post-build checks against stand-in torch and
+cuobjdump) and took the pull path for v0_20_dflash. The negative cases below are real
+ansible-playbook runs of site.yml (tag build) against the same host.
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from playbook_runner import run_playbook
+
+FACT = "/etc/ansible/facts.d/spark_build.fact"
+LOG = "/var/log/sparkllm/build-v0_19_1.log"
+REPO = "spark-vllm-build-test/vllm"
+PREBUILT = "spark-vllm-build-test/prebuilt:vllm-0.20.0"
+FILES = Path(os.environ.get("MOLECULE_SCENARIO_DIRECTORY", Path(__file__).resolve().parents[1])) / "files"
+INC_IN_IMAGE = "/opt/fakepy/vllm/model_executor/layers/quantization/inc.py"
+
+
+def _fact(host) -> dict:
+    return json.loads(host.file(FACT).content_string)
+
+
+def _image_labels(host, image: str) -> dict | None:
+    res = host.run("docker image inspect %s", image)
+    if res.rc != 0:
+        return None
+    return json.loads(res.stdout)[0]["Config"]["Labels"] or {}
+
+
+def _our_tags(host) -> set[str]:
+    out = host.check_output("docker images --format '{{.Repository}}:{{.Tag}}' %s", REPO)
+    return {line for line in out.splitlines() if line.strip()}
+
+
+def _with_patch_dir(name: str) -> dict:
+    return {"vllm_build_variant_overrides": {"v0_19_1": {"patch_dir": str(FILES / "patches" / name)}}}
+
+
+def _build(extra_vars: dict | None = None):
+    return run_playbook("site.yml", extra_vars or {}, tags="build")
+
+
+def test_built_image_is_tagged_with_ref_and_input_hash(host):
+    fact = _fact(host)
+    entry = fact["variants"]["v0_19_1"]
+    assert re.fullmatch(rf"{re.escape(REPO)}:v0\.19\.1-[0-9a-f]{{12}}", entry["image"])
+    assert entry["image"].endswith(entry["input_hash"][:12])
+    labels = _image_labels(host, entry["image"])
+    assert labels is not None, f"{entry['image']} is not on the engine"
+    assert labels["sparkllm.input_hash"] == entry["input_hash"]
+    assert labels["sparkllm.patch_hash"] == entry["patch_hash"]
+    assert labels["sparkllm.vllm_ref"] == "v0.19.1"
+
+
+def test_fact_records_both_variants_and_their_checks(host):
+    fact = _fact(host)
+    assert set(fact["images"]) == {"v0_19_1", "v0_20_dflash"}
+    built = fact["variants"]["v0_19_1"]
+    assert built["source"] == "build"
+    assert built["ref"] == "v0.19.1"
+    assert built["patches"] == ["0001-route-fp8-layers.patch"]
+    assert re.fullmatch(r"[0-9a-f]{64}", built["patch_hash"])
+    assert built["checks"]["torch_cuda"] == "13.0"
+    assert "sm_121a" in built["checks"]["archs"]
+    assert built["checks"]["extensions"] == ["_C.abi3.so", "_moe_C.abi3.so"]
+    assert built["checks"]["vllm_version"] == "0.19.1"
+    pulled = fact["variants"]["v0_20_dflash"]
+    assert pulled["source"] == "pull"
+    assert pulled["image"] == PREBUILT == fact["images"]["v0_20_dflash"]
+    assert pulled["checks"]["vllm_version"].startswith("0.20.0")
+    assert host.file(FACT).mode == 0o644
+
+
+def test_patch_series_was_applied_inside_the_image(host):
+    image = _fact(host)["images"]["v0_19_1"]
+    inc = host.check_output("docker run --rm --network none %s cat %s", image, INC_IN_IMAGE)
+    assert "sparkllm: FP8 shared experts go to the block-FP8 method" in inc
+
+
+def test_build_log_shows_the_build_and_memory_derived_jobs(host):
+    log = host.file(LOG)
+    assert log.exists
+    text = log.content_string
+    assert "sparkllm: applied 0001-route-fp8-layers.patch" in text
+    assert "# sparkllm-image-build finished rc=0" in text
+    facts = host.ansible("setup", "gather_subset=!all,!min,hardware")["ansible_facts"]
+    threads = 2
+    budget = int(facts["ansible_memtotal_mb"] / 1024 * 0.8 / 8)
+    expected_jobs = max(1, min(facts["ansible_processor_nproc"], budget // threads))
+    assert f"MAX_JOBS={expected_jobs} NVCC_THREADS={threads}" in text
+
+
+def test_build_context_pins_torch_and_carries_the_series(host):
+    ctx = "/var/lib/sparkllm/build/v0_19_1"
+    constraints = host.file(f"{ctx}/constraints.txt").content_string
+    assert "torch==2.10.0+cu130" in constraints
+    assert host.file(f"{ctx}/patches/series").content_string.split() == ["0001-route-fp8-layers.patch"]
+    assert "TORCH_CUDA_ARCH_LIST=12.1a" in host.file(f"{ctx}/Dockerfile").content_string
+
+
+def test_unchanged_rerun_does_not_rebuild(host):
+    before = host.file(LOG).mtime
+    tags_before = _our_tags(host)
+    res = _build()
+    assert res.rc == 0, res.output[-3000:]
+    assert "not rebuilding" in res.output
+    assert "Build in the background" not in res.output
+    assert re.search(r"spark-vllm-build\s*:.*changed=0", res.output)
+    assert host.file(LOG).mtime == before
+    assert _our_tags(host) == tags_before
+
+
+def test_patch_that_no_longer_applies_fails_naming_it(host):
+    fact_before = host.file(FACT).content_string
+    res = _build(_with_patch_dir("broken"))
+    assert res.rc != 0
+    assert "Patch 0002-stale-context.patch" in res.output
+    assert "Refresh the patch against v0.19.1" in res.output
+    assert "patch failed" in res.output  # git apply's own words, from the log tail
+    assert "0001-route-fp8-layers.patch" in host.file(LOG).content_string  # the first one applied
+    assert host.file(FACT).content_string == fact_before
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"spec_method": "dflash", "vllm_build_variants_allowed": ["v0_19_1"], "vllm_build_images": {}},
+        {
+            "spec_method": "dflash",
+            "vllm_build_images": {},
+            "vllm_build_variant_overrides": {
+                "v0_20_dflash": {"ref": "v0.19.1", "version": "0.19.1", "extra_prs": []}
+            },
+        },
+    ],
+    ids=["only-0.19-allowed", "dflash-variant-is-0.19"],
+)
+def test_dflash_is_refused_on_a_019_only_configuration(host, extra):
+    fact_before = host.file(FACT).content_string
+    res = _build(extra)
+    assert res.rc != 0
+    assert "DFlash arrived in vLLM 0.20.0" in res.output
+    assert "PR #40898" in res.output
+    assert "Refusing to build" in res.output
+    assert "TASK [vllm_build : Build" not in res.output
+    assert host.file(FACT).content_string == fact_before
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (
+            {"vllm_build_test_fake_arch": "sm_120a"},
+            ["no sm_121 code in", "_C.abi3.so", "architectures found: sm_120a", "collapse 12.1a to 12.0"],
+        ),
+        ({"vllm_build_test_torch_cuda": "12.8"}, ["torch reports CUDA '12.8'", "cu130"]),
+        (
+            {"vllm_build_test_log_line": "Not building Marlin kernels as no compatible archs found"},
+            ["skipped kernels we need", "Not building Marlin kernels"],
+        ),
+    ],
+    ids=["sm120-only", "torch-cuda-12", "marlin-skipped"],
+)
+def test_failing_post_build_check_fails_the_play_and_drops_the_image(host, extra, needles):
+    fact_before = host.file(FACT).content_string
+    tags_before = _our_tags(host)
+    res = _build(extra)
+    assert res.rc != 0
+    assert "Check failed for spark-vllm-build-test/vllm:v0.19.1-" in res.output
+    for needle in needles:
+        assert needle in res.output
+    assert "The image was removed" in res.output
+    assert _our_tags(host) == tags_before  # no tag of ours names an image that failed its checks
+    assert host.file(FACT).content_string == fact_before
+
+
+def test_changed_patch_rebuilds_under_a_new_tag_and_back_without_rebuild(host):
+    old = _fact(host)["variants"]["v0_19_1"]
+    res = _build(_with_patch_dir("good-v2"))
+    assert res.rc == 0, res.output[-3000:]
+    new = _fact(host)["variants"]["v0_19_1"]
+    assert new["patch_hash"] != old["patch_hash"]
+    assert new["image"] != old["image"] and new["image"].startswith(f"{REPO}:v0.19.1-")
+    inc = host.check_output("docker run --rm --network none %s cat %s", new["image"], INC_IN_IMAGE)
+    assert "sparkllm v2:" in inc
+    # back to the original series: that image still exists, so no build, only the fact changes back
+    log_mtime = host.file(LOG).mtime
+    res = _build()
+    assert res.rc == 0, res.output[-3000:]
+    assert "not rebuilding" in res.output
+    assert host.file(LOG).mtime == log_mtime
+    assert _fact(host)["variants"]["v0_19_1"]["image"] == old["image"]
+    host.run("docker image rm %s", new["image"])
