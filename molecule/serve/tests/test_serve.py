@@ -1,7 +1,8 @@
 """Behaviour of the serve stage on the systemd test host, with the stand-in server image.
 
-Order matters (every test takes the ``host`` fixture so pytest keeps file order): the module starts with mtp converged, switches to ngram, then makes mtp fail
-(rollback to ngram), then exercises the bind/API-key rules.
+Order matters (every test takes the ``host`` fixture so pytest keeps file order): the module
+starts with mtp converged, switches to ngram, then makes mtp fail (rollback to ngram), then
+exercises the bind/API-key rules.
 """
 
 from __future__ import annotations
