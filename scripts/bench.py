@@ -1096,6 +1096,28 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def find_run(store_dir: Path, config_hash: str, repetition: int) -> str | None:
+    """Run id of a valid stored run measured with this configuration hash and repetition, if any."""
+    db = store_dir / STORE_NAME
+    if not db.is_file():
+        return None
+    conn = open_store(store_dir)
+    try:
+        row = conn.execute("SELECT run_id FROM runs WHERE valid = 1 AND config_hash = ? AND repetition = ? "
+                           "ORDER BY started_utc LIMIT 1", (config_hash, repetition)).fetchone()
+    finally:
+        conn.close()
+    return row["run_id"] if row else None
+
+
+def cmd_lookup(a: argparse.Namespace) -> int:
+    run_id = find_run(Path(a.store), a.config_hash, a.repetition)
+    if run_id is None:
+        return 1
+    print(run_id)
+    return 0
+
+
 def cmd_import(a: argparse.Namespace) -> int:
     paths = [Path(p) for p in a.paths]
     store = Path(a.store) if a.store else (paths[0] if paths[0].is_dir() else paths[0].parent)
@@ -1454,6 +1476,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("paths", nargs="+", help="run JSON files or directories holding them")
     i.add_argument("--store", default=None, help="store directory (default: first directory given)")
     i.set_defaults(func=cmd_import)
+    lk = sub.add_parser("lookup", help="print the valid run stored for a configuration hash + repetition "
+                        "(exit 1 when there is none)")
+    lk.add_argument("--store", required=True, help="store directory")
+    lk.add_argument("--config-hash", required=True)
+    lk.add_argument("--repetition", type=int, required=True)
+    lk.set_defaults(func=cmd_lookup)
     rep = sub.add_parser("report", help="Markdown report + PNG charts from a store")
     rep.add_argument("dir")
     rep.add_argument("--out", default=None)

@@ -125,3 +125,25 @@ def test_pairing_by_closest_timestamp() -> None:
 def test_report_without_store_errors(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no results store"):
         bench.make_report(tmp_path)
+
+
+def test_lookup_finds_only_valid_runs_of_the_same_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "results"
+    assert bench.main(["lookup", "--store", str(store), "--config-hash", "h1", "--repetition", "0"]) == 1
+    assert not store.exists(), "a lookup must not create a store"
+    good = fake_doc("mtp-k2", 0, [10.0])
+    good["meta"]["config_hash"] = "h1"
+    bad = fake_doc("mtp-k2", 1, [10.0])
+    bad["meta"]["config_hash"] = "h1"
+    bad["run_id"] += "-bad"
+    bad["valid"], bad["problems"] = False, ["token mismatch"]
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_text(json.dumps(good))
+    (src / "b.json").write_text(json.dumps(bad))
+    bench.import_runs([src], store)
+    capsys.readouterr()
+    assert bench.main(["lookup", "--store", str(store), "--config-hash", "h1", "--repetition", "0"]) == 0
+    assert capsys.readouterr().out.strip() == good["run_id"]
+    assert bench.main(["lookup", "--store", str(store), "--config-hash", "h1", "--repetition", "1"]) == 1
+    assert bench.main(["lookup", "--store", str(store), "--config-hash", "h2", "--repetition", "0"]) == 1

@@ -9,7 +9,7 @@ RESULTS = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "results"
 
 
 def _runs():
-    return [json.loads(p.read_text()) for p in sorted((RESULTS / "runs" / "spark-bench").glob("*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
 
 
 def test_one_run_fetched_despite_two_converges():
@@ -55,3 +55,14 @@ def test_fact_remembers_the_cell(host):
     fact = json.loads(host.file("/etc/ansible/facts.d/spark_bench.fact").content_string)
     (run_id,) = fact["cells"].values()
     assert run_id == _runs()[0]["run_id"]
+
+
+def test_controller_store_prevents_remeasuring_after_a_wipe(host):
+    """A fresh host (no local fact) with the same configuration finds the run in the controller's store."""
+    from playbook_runner import run_playbook
+
+    host.run("rm -f /etc/ansible/facts.d/spark_bench.fact")
+    res = run_playbook("playbooks/bench.yml")
+    assert res.rc == 0, res.output[-3000:]
+    assert "already measured" in res.output
+    assert len(_runs()) == 1
