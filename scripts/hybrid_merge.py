@@ -40,6 +40,7 @@ from pathlib import Path
 
 from sparkllm.checkpoint import (
     EXTRA_FILE,
+    MANIFEST_NAME,
     SOURCE_RECORD,
     CheckpointError,
     MergePlan,
@@ -176,7 +177,8 @@ def copy_side_files(int4: Path, tmp: Path, plan: MergePlan) -> None:
     for p in sorted(int4.iterdir()):
         if p.name in shard_names or p.name == INDEX_NAME or p.suffix == ".safetensors":
             continue
-        if p.name in (RECORD_NAME, SOURCE_RECORD) or (p.name.startswith(".") and not p.is_file()):
+        # our own bookkeeping (merge record, source record, mirror manifest) and hidden files stay behind
+        if p.name in (RECORD_NAME, SOURCE_RECORD, MANIFEST_NAME) or p.name.startswith("."):
             continue
         if p.is_dir():
             shutil.copytree(p, tmp / p.name)

@@ -299,3 +299,15 @@ def test_help_documents_rules_and_layout() -> None:
     assert r.returncode == 0
     for text in ("--dry-run", "weight_scale_inv", "one output shard per INT4 shard", "Exit codes"):
         assert text in r.stdout
+
+
+def test_bookkeeping_files_of_the_source_stay_behind(pair: GeneratedPair, tmp_path: Path) -> None:
+    """A mirror's manifest or hidden records must not end up in the served model; configs must."""
+    (pair.int4_dir / ck.MANIFEST_NAME).write_text("{}")
+    (pair.int4_dir / ".sparkllm_mirror.json").write_text("{}")
+    out = tmp_path / "out"
+    assert merge(pair, out) == 0
+    names = {p.name for p in out.iterdir()}
+    assert ck.MANIFEST_NAME not in names
+    assert ".sparkllm_mirror.json" not in names
+    assert "config.json" in names
