@@ -117,3 +117,12 @@ def test_stopped_worker_is_named_then_recovers(head, worker, monkeypatch):
     assert _active_ray_nodes(head) == 2
     # recovering the worker did not restart the head
     assert head.check_output(started) == head_started
+
+
+def test_wrong_link_mtu_is_named(monkeypatch):
+    """The link check fails naming the node, the interface and both MTUs (read-only play, nothing changes)."""
+    monkeypatch.setenv("ANSIBLE_CALLBACK_RESULT_FORMAT", "json")
+    result = run_playbook("playbooks/cluster-health.yml", {"spark_link_mtu": 9100})
+    assert result.rc != 0
+    for node in ("cluster-head", "cluster-worker"):
+        assert f"{node}: link interface eth0 has MTU 9000, expected 9100" in result.output, result.output
