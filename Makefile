@@ -5,8 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 SPEC_METHOD ?= mtp
 INVENTORY ?= inventory/hosts.yml
-# molecule scenarios run by `make test`, in dependency order
-SCENARIOS ?= preflight model vllm_build serve bench site cluster
+# molecule scenarios run by `make test` (longest first: they run two at a time)
+SCENARIOS ?= model vllm_build site serve cluster bench preflight
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
@@ -43,14 +43,15 @@ unit: setup
 contract-env:
 	bash tests/contract/setup_vllm_env.sh
 
-contract: contract-env
+contract: setup contract-env
 	.venv-vllm/bin/python -m pytest tests/contract -q -m vllm_contract
 
 testhost-image:
 	bash tests/harness/build_testhost_image.sh
 
+# scenarios run MOLECULE_JOBS at a time (default 2); logs in .cache/molecule/
 molecule: setup testhost-image
-	set -e; for s in $(SCENARIOS); do echo "=== molecule test -s $$s"; $(BIN)/molecule test -s $$s; done
+	bash tests/harness/run_molecule.sh $(SCENARIOS)
 
 # --- performance scripts (ratios measured in one run) -----------------------
 bench-merge: setup
@@ -61,6 +62,7 @@ bench-runner: setup
 
 demo: setup testhost-image  ## try the whole pipeline without a Spark
 	$(BIN)/molecule test -s site
+	@echo "report: $(CURDIR)/results/demo/report/report.md"
 
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache

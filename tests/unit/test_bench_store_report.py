@@ -127,7 +127,9 @@ def test_report_without_store_errors(tmp_path: Path) -> None:
         bench.make_report(tmp_path)
 
 
-def test_lookup_finds_only_valid_runs_of_the_same_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_lookup_finds_only_valid_runs_of_the_same_cell(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     store = tmp_path / "results"
     assert bench.main(["lookup", "--store", str(store), "--config-hash", "h1", "--repetition", "0"]) == 1
     assert not store.exists(), "a lookup must not create a store"

@@ -1,0 +1,139 @@
+"""The whole pipeline on a stand-in Spark: serve, switch, results, rerun cost; then wipe and restore.
+
+molecule runs this file twice: after the first converge (phase "fresh") and after the host was
+destroyed and a fresh one converged with the same mirror and results directory (phase "restore").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import urllib.request
+from pathlib import Path
+
+import pytest
+from playbook_runner import run_playbook
+
+ROOT = Path("/var/tmp/sparkllm-site")
+MARKER = ROOT / "phase"
+RESULTS = Path(os.environ["MOLECULE_PROJECT_DIRECTORY"]) / "results" / "demo"
+PORT = 18520
+PHASE = "restore" if MARKER.exists() and MARKER.read_text().strip() == "restoring" else "fresh"
+fresh = pytest.mark.skipif(PHASE != "fresh", reason="first-phase check")
+restore = pytest.mark.skipif(PHASE != "restore", reason="restore-phase check")
+
+
+def _runs() -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+
+
+def _store_rows() -> list[tuple]:
+    with sqlite3.connect(RESULTS / "results.sqlite") as db:
+        return db.execute("SELECT run_id, label, valid FROM runs ORDER BY run_id").fetchall()
+
+
+def _models() -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=10) as r:
+        return [m["id"] for m in json.load(r)["data"]]
+
+
+def _active_units(host) -> set[str]:
+    out = host.run("systemctl list-units --state=active --no-legend --plain 'sparkllm-vllm-*'").stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _fact(host, name: str) -> dict:
+    return json.loads(host.file(f"/etc/ansible/facts.d/{name}.fact").content_string)
+
+
+def test_every_stage_recorded_its_fact(host):
+    assert _fact(host, "spark_preflight")["gpu_checks"] == "skipped (test bed)"
+    build = _fact(host, "spark_build")
+    assert build["images"]["v0_19_1"] == "sparkllm-site/standin:vllm-0.19.1"
+    model = _fact(host, "spark_model")
+    assert model["hybrid_verified"] is True
+    assert _fact(host, "spark_serve")["active_method"] == "mtp"
+
+
+def test_served_model_is_the_verified_hybrid(host):
+    cmd = host.run("python3 /opt/sparkllm/scripts/verify_checkpoint.py --expect-mtp --expect-hybrid "
+                   "/var/tmp/sparkllm-site/models/qwen3.5-122b-hybrid")
+    assert cmd.rc == 0, cmd.stdout + cmd.stderr
+
+
+def test_mtp_is_the_one_server_running(host):
+    assert _active_units(host) == {"sparkllm-vllm-mtp.service"}
+    assert _models() == ["qwen3.5-122b"]
+
+
+def test_rerun_is_cheap_and_prints_the_figure(host):
+    """Converge and the idempotence rerun were timed by converge.yml; print both and their ratio."""
+    times = [json.loads(x) for x in (ROOT / "timings.jsonl").read_text().splitlines() if x.strip()]
+    assert len(times) >= 2
+    first, rerun = times[0]["seconds"], times[1]["seconds"]
+    ratio = rerun / first
+    print(f"\nRERUN FIGURE: first converge {first:.1f} s, no-op rerun {rerun:.1f} s, ratio {ratio:.2f}")
+    (RESULTS.parent / "demo-rerun.json").write_text(json.dumps(
+        {"first_converge_s": first, "noop_rerun_s": rerun, "ratio": round(rerun / first, 3)}))
+    assert rerun < first
+
+
+@fresh
+def test_bench_result_reached_the_controller(host):
+    runs = _runs()
+    assert [r["label"] for r in runs] == ["mtp-k2"]
+    assert runs[0]["valid"], runs[0]["problems"]
+    assert runs[0]["spec"]["per_position"] and runs[0]["spec"]["per_position"][0] > 0
+    assert (RESULTS / "report" / "report.md").is_file()
+
+
+@fresh
+def test_switch_to_ngram(host):
+    res = run_playbook("site.yml", {"spec_method": "ngram"})
+    assert res.rc == 0, res.output[-4000:]
+    assert _active_units(host) == {"sparkllm-vllm-ngram.service"}
+    assert not host.service("sparkllm-vllm-mtp.service").is_enabled
+    assert _models() == ["qwen3.5-122b"]
+    env = host.file("/etc/sparkllm/serve/ngram.env").content_string
+    assert '\\"method\\":\\"ngram\\"' in env
+    labels = sorted(r["label"] for r in _runs())
+    assert labels == ["mtp-k2", "ngram-k5"]
+    assert "ngram-k5" in (RESULTS / "report" / "report.md").read_text()
+
+
+@fresh
+def test_back_to_mtp_for_the_wipe(host):
+    """The configuration the restore must bring back is the one converge.yml applies: mtp."""
+    res = run_playbook("site.yml", {"spec_method": "mtp"})
+    assert res.rc == 0, res.output[-4000:]
+    assert _active_units(host) == {"sparkllm-vllm-mtp.service"}
+    assert len(_runs()) == 2, "mtp was measured already: no new run"
+    (ROOT / "results-before-wipe.json").write_text(json.dumps(_store_rows()))
+    MARKER.write_text("restore-pending\n")
+
+
+@restore
+def test_restore_brings_back_the_same_server(host):
+    assert _active_units(host) == {"sparkllm-vllm-mtp.service"}
+    assert _models() == ["qwen3.5-122b"]
+    env = host.file("/etc/sparkllm/serve/mtp.env").content_string
+    assert '\\"method\\":\\"mtp\\"' in env
+    assert "FLASHINFER" in env
+
+
+@restore
+def test_restore_lost_nothing_and_duplicated_nothing(host):
+    before = [tuple(r) for r in json.loads((ROOT / "results-before-wipe.json").read_text())]
+    after = _store_rows()
+    assert after == before
+    assert len({r[0] for r in after}) == len(after)
+    assert sorted(r["label"] for r in _runs()) == ["mtp-k2", "ngram-k5"]
+
+
+@restore
+def test_restore_was_timed_too(host):
+    times = [json.loads(x) for x in (ROOT / "timings.jsonl").read_text().splitlines() if x.strip()]
+    assert len(times) == 3
+    print(f"\nRESTORE FIGURE: converge of a wiped host {times[2]['seconds']:.1f} s")
+    MARKER.unlink()
