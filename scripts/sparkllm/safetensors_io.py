@@ -180,9 +180,8 @@ def check_header_len(path: Path, header_len: int, file_size: int | None) -> None
         )
 
 
-def read_header(path: str | os.PathLike[str]) -> Header:
-    """Read and fully validate the header of a local safetensors file."""
-    p = Path(path)
+def _read_raw_header(p: Path) -> tuple[bytes, bytes, int, int]:
+    """(length prefix, header JSON bytes, header length, file size), bounds-checked but not parsed."""
     try:
         with open(p, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -191,26 +190,30 @@ def read_header(path: str | os.PathLike[str]) -> Header:
                 raise SafetensorsError(p, f"file too short for a safetensors header ({size} bytes)")
             (header_len,) = struct.unpack("<Q", head)
             check_header_len(p, header_len, size)
-            raw = f.read(header_len)
+            return head, f.read(header_len), header_len, size
     except OSError as exc:
         raise SafetensorsError(p, f"cannot read ({exc.strerror or exc})") from None
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Read and fully validate the header of a local safetensors file."""
+    p = Path(path)
+    _, raw, header_len, size = _read_raw_header(p)
     return parse_header_bytes(p, raw, header_len, size)
 
 
 def header_digest(path: str | os.PathLike[str]) -> str:
     """sha256 of a file's length prefix + header JSON, without parsing it (cheap identity)."""
-    p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise SafetensorsError(p, f"file too short for a safetensors header ({size} bytes)")
-            (header_len,) = struct.unpack("<Q", head)
-            check_header_len(p, header_len, size)
-            return hashlib.sha256(head + f.read(header_len)).hexdigest()
-    except OSError as exc:
-        raise SafetensorsError(p, f"cannot read ({exc.strerror or exc})") from None
+    head, raw, _, _ = _read_raw_header(Path(path))
+    return hashlib.sha256(head + raw).hexdigest()
+
+
+def read_tensor_bytes(path: str | os.PathLike[str], name: str) -> bytes:
+    """The raw bytes of one tensor (for checks and tests; the merge itself never reads tensors)."""
+    off, n = read_header(path).absolute(name)
+    with open(path, "rb") as f:
+        f.seek(off)
+        return f.read(n)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import pytest
 from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
 from fixtures.range_server import RangeServer
 from sparkllm import checkpoint as ck
-from sparkllm.safetensors_io import INDEX_NAME, read_header, read_index
+from sparkllm.safetensors_io import INDEX_NAME, read_header, read_index, read_tensor_bytes
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_checkpoint.py"
 REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
@@ -42,13 +42,6 @@ def extract(srv: RangeServer, dest: Path, *extra: str, env: dict[str, str] | Non
     )  # fmt: skip
 
 
-def tensor_bytes(path: Path, name: str) -> bytes:
-    h = read_header(path)
-    off, n = h.absolute(name)
-    with open(path, "rb") as f:
-        f.seek(off)
-        return f.read(n)
-
 
 def test_fp8_extract_transfers_only_needed_bytes(pair: GeneratedPair, tmp_path: Path) -> None:
     dest = tmp_path / "ext" / "fp8-shared-expert.safetensors"
@@ -63,7 +56,7 @@ def test_fp8_extract_transfers_only_needed_bytes(pair: GeneratedPair, tmp_path: 
     assert set(out.tensors) == expected_names
     for name in expected_names:
         src = pair.fp8_dir / idx.weight_map[name]
-        assert tensor_bytes(dest, name) == tensor_bytes(src, name)
+        assert read_tensor_bytes(dest, name) == read_tensor_bytes(src, name)
         assert out.tensors[name].shape == read_header(src).tensors[name].shape
     headers = sum(read_header(pair.fp8_dir / f).data_start for f in shards)
     index_bytes = (pair.fp8_dir / INDEX_NAME).stat().st_size

@@ -15,6 +15,7 @@ from fixtures.make_checkpoints import LM, GenConfig, GeneratedPair, generate
 from safetensors import safe_open
 from sparkllm import checkpoint as ck
 from sparkllm.safetensors_io import INDEX_NAME, TensorInfo, read_header, read_index
+from sparkllm.safetensors_io import read_tensor_bytes as tensor_bytes
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "hybrid_merge.py"
 CFG = GenConfig(layers=4, experts=4)
@@ -24,13 +25,6 @@ CFG = GenConfig(layers=4, experts=4)
 def pair(tmp_path: Path) -> GeneratedPair:
     return generate(tmp_path / "src", CFG)
 
-
-def tensor_bytes(path: Path, name: str) -> bytes:
-    h = read_header(path)
-    off, n = h.absolute(name)
-    with open(path, "rb") as f:
-        f.seek(off)
-        return f.read(n)
 
 
 def locate(directory: Path, name: str) -> Path:
