@@ -46,6 +46,8 @@ SETTING_DEFAULTS: dict[str, object] = {
     "spark_model_dir": "/srv/models/qwen3.5-122b-hybrid",
     "spark_tensor_parallel_size": 1,
     "spark_distributed_backend": None,
+    "vllm_attention_backend": "",
+    "vllm_serve_extra_args": [],
     # not in main.yml (see the module docstring)
     "vllm_model_path": "/model",
     "spark_nnodes": 1,
@@ -55,6 +57,28 @@ SETTING_DEFAULTS: dict[str, object] = {
 }
 
 DISTRIBUTED_BACKENDS = (None, "ray", "mp")
+
+# Options the toolkit renders itself, by the knob that sets them: vllm_serve_extra_args may not
+# repeat them (argparse would silently take the last one, and the unit, the health probe and the
+# benchmark would disagree with the server). The API key never goes into argv.
+_MANAGED_OPTIONS = {
+    "--served-model-name": "vllm_served_model_name",
+    "--host": "vllm_host",
+    "--port": "vllm_port",
+    "--max-model-len": "vllm_max_model_len",
+    "--gpu-memory-utilization": "vllm_gpu_memory_utilization",
+    "--enable-prefix-caching": "a fixed choice: prefix caching stays off for Qwen3.5 on vLLM 0.19",
+    "--no-enable-prefix-caching": "a fixed choice: prefix caching stays off for Qwen3.5 on vLLM 0.19",
+    "--reasoning-parser": "vllm_reasoning_parser",
+    "--speculative-config": "spec_method and the spec_* knobs",
+    "--tensor-parallel-size": "spark_tensor_parallel_size",
+    "--distributed-executor-backend": "spark_distributed_backend",
+    "--nnodes": "the cluster stage", "--node-rank": "the cluster stage",
+    "--master-addr": "the cluster stage", "--master-port": "the cluster stage",
+    "--headless": "the cluster stage",
+    "--api-key": "vllm_api_key_file (the key is passed in the environment, never in argv)",
+    "--disable-log-stats": "a fixed choice: speculative decoding metrics need stats logging",
+}
 GPU_MEMORY_MAX = 0.95
 SPEC_TOKENS_RANGE = (1, 16)
 
@@ -242,6 +266,15 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
                 errors.append(f"spark_tensor_parallel_size={tp!r} is not a multiple of spark_nnodes="
                               f"{nnodes!r}; set it to GPUs per node x nodes")
 
+    backend_override = _get(settings, "vllm_attention_backend")
+    if backend_override is not None and (
+            not isinstance(backend_override, str)
+            or (backend_override and not backend_override.replace("_", "").isalnum())):
+        errors.append(f"vllm_attention_backend={backend_override!r} is not a backend name; set it to "
+                      f"'' (the method's choice in methods.yml) or a vLLM backend such as FLASH_ATTN, "
+                      f"FLASHINFER or TRITON_ATTN")
+    _check_extra_args(errors, _get(settings, "vllm_serve_extra_args"))
+
     host = _get(settings, "vllm_host")
     key_file = _get(settings, "vllm_api_key_file")
     opt_out = _get(settings, "vllm_allow_unauthenticated_bind")
@@ -262,6 +295,34 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
                       f"set vllm_api_key_file to a file holding the key, or set "
                       f"vllm_allow_unauthenticated_bind=true to accept an open endpoint")
     return errors
+
+
+def _option_name(arg: str) -> str:
+    """'--max_model_len=4' -> '--max-model-len' (vLLM's parser accepts both spellings)."""
+    return arg.split("=", 1)[0].replace("_", "-")
+
+
+def _check_extra_args(errors: list[str], extra) -> None:
+    name = "vllm_serve_extra_args"
+    if extra is None:
+        return
+    example = '["--max-num-seqs", "8"]'
+    if not isinstance(extra, list | tuple):
+        errors.append(f"{name}={extra!r} is not a list{_type_hint(name, extra, example)}; set it to a "
+                      f"list of strings, one argv word each, e.g. {example}")
+        return
+    for i, arg in enumerate(extra):
+        if not isinstance(arg, str) or not arg.strip():
+            errors.append(f"{name}[{i}]={arg!r} must be a non-empty string (one argv word; numbers "
+                          f"as strings, e.g. {example})")
+            continue
+        option = _option_name(arg) if arg.startswith("--") else None
+        if option in _MANAGED_OPTIONS:
+            errors.append(f"{name}[{i}]={arg!r} repeats an option the toolkit sets itself "
+                          f"(from {_MANAGED_OPTIONS[option]}); remove it from {name}")
+        elif option in _FLAG_OPTIONS.values():
+            errors.append(f"{name}[{i}]={arg!r} repeats a flag the method catalogue sets "
+                          f"(serve_flags in methods.yml); change it there instead")
 
 
 def spark_speculative_config(settings: Mapping, catalogue: Mapping) -> dict | None:
@@ -309,6 +370,8 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
         raise CatalogueError(f"method {method!r}: unknown serve_flags {sorted(unknown)}; known: "
                              f"{sorted(_KNOWN_SERVE_FLAGS)}")
 
+    if _get(settings, "vllm_attention_backend"):
+        flags["attention_backend"] = _get(settings, "vllm_attention_backend")
     gpu = _get(settings, "vllm_gpu_memory_utilization")
     cap = flags.get("gpu_memory_utilization_cap")
     if cap is not None:
@@ -348,6 +411,7 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
             argv += ["--master-port", str(_get(settings, "spark_master_port"))]
         if rank > 0:
             argv.append("--headless")
+    argv += list(_get(settings, "vllm_serve_extra_args") or [])
     return [str(a) for a in argv]
 
 

@@ -695,6 +695,16 @@ def spec_metrics(before: MetricsSnapshot, after: MetricsSnapshot,
     return out
 
 
+def raw_counters(snap: MetricsSnapshot) -> dict[str, Any] | None:
+    """The counters the speculative figures are computed from, as the server reported them (so a
+    reader can check the figures against an independent scrape); None without /metrics."""
+    if not snap.ok:
+        return None
+    out: dict[str, Any] = {m: snap.total(m) for m in (M_GEN, M_DRAFTS, M_DRAFT_TOK, M_ACCEPTED)}
+    out[M_ACC_POS] = snap.by_label(M_ACC_POS, "position")
+    return out
+
+
 def summarise(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     toks = sum((r.output_tokens or 0) for r in ok)
@@ -855,6 +865,7 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     doc = {
         "schema": 1, "run_id": run_id, "label": opts.label, "valid": not problems, "problems": problems,
         "summary": summarise(results, wall), "spec": spec_all,
+        "spec_counters": {"before": raw_counters(snap0), "after": raw_counters(snap1)},
         "categories": per_category(results, spec_by_cat), "meta": meta,
         "requests": [r.row() for r in results],
         "errors_sample": sorted({r.error for r in results if r.error})[:5],

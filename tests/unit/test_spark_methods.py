@@ -87,7 +87,7 @@ def test_plugin_defaults_match_main_yml(main_yml):
         "spec_eagle3_drafter", "spec_dflash_drafter", "vllm_gpu_memory_utilization", "vllm_max_model_len",
         "vllm_host", "vllm_port", "vllm_served_model_name", "vllm_reasoning_parser", "vllm_api_key_file",
         "vllm_allow_unauthenticated_bind", "spark_model_dir", "spark_tensor_parallel_size",
-        "spark_distributed_backend",
+        "spark_distributed_backend", "vllm_attention_backend", "vllm_serve_extra_args",
     }
     assert set(main_yml) == required
 
@@ -445,3 +445,57 @@ def test_spark_settings_picks_known_names_only(catalogue):
     assert picked == {"spec_method": "ngram", "vllm_port": 9000}
     assert "spark_settings" in FilterModule().filters()
     assert opt(spark_serve_argv(picked, catalogue), "--port") == "9000"
+
+
+# ---- vllm_serve_extra_args: the owner's own flags, appended and checked
+
+
+def test_extra_args_are_appended_in_order(catalogue):
+    extra = ["--enforce-eager", "--max-num-seqs", "8", "--moe-backend=triton"]
+    base = spark_serve_argv(settings(spec_method="mtp"), catalogue)
+    argv = spark_serve_argv(settings(spec_method="mtp", vllm_serve_extra_args=extra), catalogue)
+    assert argv == base + extra
+
+
+def test_extra_args_default_is_empty(catalogue):
+    assert spark_serve_argv(settings(), catalogue) == spark_serve_argv(
+        settings(vllm_serve_extra_args=[]), catalogue)
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("--enforce-eager", "is not a list"),
+    ({"a": 1}, "is not a list"),
+    ([8], "must be a non-empty string"),
+    ([""], "must be a non-empty string"),
+    (["--port", "9000"], "vllm_port"),
+    (["--max_model_len=4096"], "vllm_max_model_len"),
+    (["--speculative-config", "{}"], "spec_method"),
+    (["--api-key", "secret"], "never in argv"),
+    (["--enable-prefix-caching"], "prefix caching stays off"),
+    (["--attention-backend", "FLASH_ATTN"], "serve_flags in methods.yml"),
+])
+def test_extra_args_refused_with_the_fix(catalogue, bad, fragment):
+    errors = spark_method_settings_errors(settings(vllm_serve_extra_args=bad), catalogue)
+    assert len(errors) == 1 and fragment in errors[0] and "vllm_serve_extra_args" in errors[0], errors
+    with pytest.raises(ValueError, match="vllm_serve_extra_args"):
+        spark_serve_argv(settings(vllm_serve_extra_args=bad), catalogue)
+
+
+def test_extra_args_string_gets_the_json_hint(catalogue):
+    (error,) = spark_method_settings_errors(settings(vllm_serve_extra_args="--enforce-eager"), catalogue)
+    assert "-e '{" in error
+
+
+def test_attention_backend_override_applies_to_every_method(catalogue):
+    for method in METHODS:
+        argv = spark_serve_argv(settings(spec_method=method, vllm_attention_backend="TRITON_ATTN"), catalogue)
+        assert opt(argv, "--attention-backend") == "TRITON_ATTN"
+        assert argv.count("--attention-backend") == 1
+    default = spark_serve_argv(settings(spec_method="mtp"), catalogue)
+    assert opt(default, "--attention-backend") == "FLASHINFER"
+
+
+@pytest.mark.parametrize("bad", ["flash attn", 3, "FLASH;rm"])
+def test_attention_backend_override_refuses_non_names(catalogue, bad):
+    (error,) = spark_method_settings_errors(settings(vllm_attention_backend=bad), catalogue)
+    assert "vllm_attention_backend" in error and "FLASH_ATTN" in error
