@@ -1,0 +1,487 @@
+#!/usr/bin/env python3
+"""Real GPU, end to end: our merged checkpoint, our patch and our serve arguments on a real vLLM.
+
+    python3 tests/gpu/e2e.py --out DIR [--work DIR] [--budget SECONDS]     (make gpu-e2e)
+
+On a host with a CUDA GPU where ``import vllm`` works (vLLM 0.20.0 here, the DFlash variant's base;
+0.19.1 needs torch 2.10 and cannot run beside torch 2.11), it
+
+1. builds the tiny Qwen3.5-MoE pair (tests/gpu/tiny_pair.py: Intel's INT4 AutoRound layout,
+   Qwen's FP8 layout) and runs OUR pipeline on it: scripts/hybrid_merge.py, the MTP index patch
+   (scripts/mtp_index_patch.py), scripts/verify_checkpoint.py --expect-mtp --expect-hybrid; it also
+   makes the published recipe's variant: the same hybrid with mtp.* left out of the index;
+2. copies the installed vllm package and applies patches/vllm-<version>/ to the copy (the
+   installed package is never modified): servers run "stock" or "patched" by PYTHONPATH;
+3. starts, at once, one server per case with the argv ``spark_serve_argv`` renders for the
+   method (overrides: model path, served name, context length, memory share, port; the flags this
+   host needs go through the same knobs owners use, ``vllm_attention_backend`` and
+   ``vllm_serve_extra_args``, see HOST_SETTINGS):
+     int4-ref        patched, baseline, Intel's INT4 checkpoint (shared experts BF16)
+     hybrid-base     patched, baseline, our hybrid (shared experts FP8)
+     hybrid-mtp      patched, mtp
+     hybrid-ngram    patched, ngram
+     stock-hybrid    stock vLLM, baseline, our hybrid
+     recipe-mtp      patched, mtp, the hybrid without the MTP index patch
+4. asks each the same completions at temperature 0 (with logprobs), runs ``scripts/bench.py run``
+   against hybrid-base, hybrid-mtp and hybrid-ngram, writes the report, and checks:
+     - patched: our log line counts the 12 shared-expert FP8 layers, no weight_scale_inv is
+       skipped, and greedy tokens equal the INT4 checkpoint's with top-1 logprobs within LOGPROB_TOL;
+     - stock on the same hybrid skips the scales and fails that same check;
+     - greedy text follows the tiny model's successor machine (the model works, not just loads);
+     - mtp: /metrics counts drafts, acceptance >= MTP_MIN_ACCEPTANCE, tokens equal baseline's;
+     - the recipe variant: what vLLM does without the MTP index patch is recorded;
+     - the runner's acceptance figures equal the deltas of the counters it recorded, and its last
+       snapshot equals an independent scrape taken after it finished.
+Prints one JSON summary line (``E2E SUMMARY {...}``), writes DIR/summary.json; exit 0 when every
+check passed, 1 when one failed (each failure named), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "filter_plugins"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tiny_pair  # noqa: E402
+from spark_methods import SETTING_DEFAULTS, spark_serve_argv  # noqa: E402
+
+# The flags this host needs, through the owners' knobs (validated like every other setting; the
+# contract suite parses them with vLLM 0.20.0's own parser):
+#  - FLASH_ATTN: FlashInfer's attention kernels are compiled at first use (no prebuilt cubins
+#    here), so the catalogue's FLASHINFER for mtp is replaced on this host;
+#  - --language-model-only: the tiny vision tower is not served;
+#  - Triton GDN prefill and MoE kernels: FlashInfer's would be JIT-built;
+#  - --enforce-eager: no CUDA graph capture (start time);
+#  - --kv-cache-memory-bytes: a fixed KV cache, so six servers starting at once on one GPU do not
+#    size their caches from each other's memory use.
+HOST_SETTINGS = {
+    "vllm_attention_backend": "FLASH_ATTN",
+    "vllm_serve_extra_args": ["--language-model-only", "--gdn-prefill-backend", "triton",
+                              "--moe-backend", "triton", "--enforce-eager",
+                              "--kv-cache-memory-bytes", str(1 << 30)],
+}
+TEST_OVERRIDES = {"vllm_served_model_name": "tiny", "vllm_max_model_len": 2048,
+                  "vllm_gpu_memory_utilization": 0.08}
+LOGPROB_TOL = 0.05
+MTP_MIN_ACCEPTANCE = 0.9
+PROMPTS = ["The quick brown fox", "def main():", "Spark owners serve Qwen", "x = [1, 2, 3]",
+           "Hello, world", "JSON: {\"a\": 7}", "Why is the sky blue?", "tok/s at 4k context"]
+PROBE_TOKENS = 48
+FP8_LINE = re.compile(r"found (\d+) FP8 layers")
+SKIP_LINE = re.compile(r"weight_scale_inv not found in params_dict")
+
+
+def log(msg: str) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, check=False, **kw)
+
+
+# ------------------------------------------------------------------ pipeline
+def build_models(work: Path) -> dict:
+    py = sys.executable
+    pair = work / "pair"
+    info = tiny_pair.generate(pair)
+    hybrid = work / "hybrid"
+    out = {"pair": {k: info[k] for k in ("int4_files", "fp8_files")}}
+    if hybrid.exists() and not (hybrid / ".sparkllm_merge.json").exists():
+        raise SystemExit(f"{hybrid} exists and is not a merge output; choose another --work")
+    merge = run([py, str(ROOT / "scripts/hybrid_merge.py"), "--int4", info["int4"], "--fp8", info["fp8"],
+                 "--out", str(hybrid), "--json"])
+    if merge.returncode:
+        raise SystemExit(f"hybrid_merge.py failed: {merge.stderr or merge.stdout}")
+    out["merge"] = json.loads(merge.stdout)["summary"]
+    patch = run([py, str(ROOT / "scripts/mtp_index_patch.py"), "--source", info["int4"],
+                 "--target", str(hybrid), "--json"])
+    if patch.returncode:
+        raise SystemExit(f"mtp_index_patch.py failed: {patch.stderr or patch.stdout}")
+    out["mtp_index_patch"] = json.loads(patch.stdout)
+    verify = run([py, str(ROOT / "scripts/verify_checkpoint.py"), str(hybrid), "--expect-mtp",
+                  "--expect-hybrid", "--json"])
+    out["verify"] = json.loads(verify.stdout)
+    if verify.returncode:
+        raise SystemExit(f"verify_checkpoint.py refused our hybrid: {verify.stdout}")
+    # The published recipe's result: the same files, mtp.* missing from the index.
+    recipe = work / "hybrid-no-mtp-index"
+    shutil.rmtree(recipe, ignore_errors=True)
+    shutil.copytree(hybrid, recipe)
+    index = json.loads((recipe / "model.safetensors.index.json").read_text())
+    dropped = [n for n in index["weight_map"] if n.startswith("mtp.")]
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.startswith("mtp.")}
+    (recipe / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    out["recipe_dropped_from_index"] = len(dropped)
+    out["dirs"] = {"int4": info["int4"], "hybrid": str(hybrid), "recipe": str(recipe)}
+    return out
+
+
+def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list[str]]:
+    """A copy of the installed vllm package with our series applied (the original is untouched)."""
+    series_dir = ROOT / "patches" / f"vllm-{version}"
+    names = [ln.strip() for ln in (series_dir / "series").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    dest = work / "vllm-patched"
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    shutil.copytree(stock_site / "vllm", dest / "vllm", symlinks=True)
+    for name in names:
+        diff = (series_dir / name).read_text()
+        if shutil.which("patch"):
+            r = run(["patch", "-p1", "-d", str(dest), "--forward", "--batch"], input=diff)
+        elif shutil.which("git"):
+            r = run(["git", "apply", "--unsafe-paths", f"--directory={dest.relative_to(dest.anchor)}", "-"],
+                    input=diff, cwd=dest.anchor)
+        else:
+            raise SystemExit("neither patch nor git is installed: cannot apply our vLLM patches")
+        if r.returncode:
+            raise SystemExit(f"patch {name} does not apply to vLLM {version}: {r.stdout}{r.stderr}")
+    return dest, names
+
+
+# ------------------------------------------------------------------ servers
+class Server:
+    def __init__(self, label: str, method: str, model: str, port: int, pythonpath: str, logs: Path):
+        self.label, self.method, self.model, self.port = label, method, model, port
+        settings = dict(SETTING_DEFAULTS, spec_method=method, vllm_model_path=model, vllm_port=port,
+                        **TEST_OVERRIDES, **HOST_SETTINGS)
+        self.argv = spark_serve_argv(settings, load_catalogue())
+        self.env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1",
+                        VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+        self.log_path = logs / f"vllm-{label}.log"
+        self.proc: subprocess.Popen | None = None
+        self.healthy_after: float | None = None
+        self.exit_code: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        with open(self.log_path, "w") as f:
+            f.write("argv: vllm serve " + " ".join(self.argv) + "\n")
+            f.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *self.argv],
+                stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+
+    def poll(self) -> str:
+        """'up', 'starting' or 'dead'."""
+        if self.healthy_after is not None:
+            return "up"
+        if self.proc.poll() is not None:
+            self.exit_code = self.proc.returncode
+            return "dead"
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    self.healthy_after = time.monotonic() - self.t0
+                    return "up"
+        except (urllib.error.URLError, OSError):
+            pass
+        return "starting"
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+_CATALOGUE: dict | None = None
+
+
+def load_catalogue() -> dict:
+    global _CATALOGUE
+    if _CATALOGUE is None:
+        import yaml
+
+        doc = yaml.safe_load((ROOT / "inventory/group_vars/all/methods.yml").read_text())
+        _CATALOGUE = doc["spark_method_catalogue"]
+    return _CATALOGUE
+
+
+def post(url: str, body: dict, timeout: float = 60) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def probe(server: Server) -> list[dict]:
+    """Greedy completions of PROMPTS with top-1 logprobs."""
+    out = []
+    for p in PROMPTS:
+        r = post(server.url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": PROBE_TOKENS,
+                                                  "temperature": 0, "logprobs": 1})
+        c = r["choices"][0]
+        out.append({"prompt": p, "text": c["text"], "tokens": c["logprobs"]["tokens"],
+                    "logprobs": c["logprobs"]["token_logprobs"]})
+    return out
+
+
+def scrape(server: Server) -> dict:
+    """Our own reading of the spec-decode counters (independent of bench.py's parser): name ->
+    summed value, per-position counters by position."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict = {"per_pos": {}}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:(?:spec_decode_\w+|generation_tokens_total))(\{[^}]*\})?\s+(\S+)$", line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        pos = re.search(r'position="(\d+)"', labels)
+        if name.endswith("per_pos_total") and pos:
+            out["per_pos"][pos.group(1)] = out["per_pos"].get(pos.group(1), 0.0) + value
+        else:
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+# ------------------------------------------------------------------ checks
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def runner_matches_counters(spec: dict, counters: dict, before: dict, after: dict) -> dict:
+    """The runner's figures against (a) the deltas of the raw counters it recorded for its measured
+    phase and (b) our own scrapes just before and after the runner ran: its first snapshot cannot
+    precede ours, its last must equal ours (nothing runs after its measured phase)."""
+    b, e = counters.get("before") or {}, counters.get("after") or {}
+    drafts = (e.get(DRAFTS) or 0) - (b.get(DRAFTS) or 0)
+    accepted = (e.get(ACCEPTED) or 0) - (b.get(ACCEPTED) or 0)
+    draft_tokens = (e.get(DRAFT_TOKENS) or 0) - (b.get(DRAFT_TOKENS) or 0)
+    pos_b, pos_e = b.get(PER_POS) or {}, e.get(PER_POS) or {}
+    per_pos = [(pos_e[p] - pos_b.get(p, 0.0)) / drafts for p in sorted(pos_e, key=int)] if drafts else None
+    runner_pp = spec.get("per_position") or []
+    figures = (spec.get("num_drafts") == drafts and spec.get("num_accepted_tokens") == accepted
+               and spec.get("num_draft_tokens") == draft_tokens and per_pos is not None
+               and len(per_pos) == len(runner_pp)
+               and all(abs(x - y) < 1e-12 for x, y in zip(per_pos, runner_pp, strict=True)))
+    last = (after.get(DRAFTS) == e.get(DRAFTS) and after.get(ACCEPTED) == e.get(ACCEPTED)
+            and after.get("per_pos") == pos_e)
+    first = before.get(DRAFTS, 0.0) <= (b.get(DRAFTS) or 0)
+    return {"ok": bool(figures and last and first and drafts), "figures_equal_deltas": figures,
+            "last_snapshot_equals_our_scrape": last, "first_snapshot_not_before_ours": first,
+            "runner": {"drafts": spec.get("num_drafts"), "accepted": spec.get("num_accepted_tokens"),
+                       "per_position": runner_pp},
+            "counters": {"drafts": drafts, "accepted": accepted, "per_position": per_pos}}
+
+
+def compare(ref: list[dict], got: list[dict]) -> dict:
+    same = sum(1 for a, b in zip(ref, got, strict=True) if a["tokens"] == b["tokens"])
+    diffs = [abs(x - y) for a, b in zip(ref, got, strict=True) if a["tokens"] == b["tokens"]
+             for x, y in zip(a["logprobs"], b["logprobs"], strict=True) if x is not None and y is not None]
+    return {"same_tokens": same, "prompts": len(ref), "max_abs_logprob_diff": max(diffs) if diffs else None,
+            "distinct_texts": len({g["text"] for g in got})}
+
+
+def follows_successors(results: list[dict]) -> int:
+    n = 0
+    for r in results:
+        expect = tiny_pair.greedy_continuation(r["prompt"][-1], len(r["text"]))
+        n += r["text"] == expect
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="e2e.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="results: logs, run JSONs, report, summary.json")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/sparkllm-gpu-e2e"),
+                    help="scratch directory for models and the patched vLLM (default /tmp/sparkllm-gpu-e2e)")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 540)")
+    ap.add_argument("--start-timeout", type=float, default=360,
+                    help="seconds to wait for the servers to come up (default 360)")
+    ap.add_argument("--bench-max-tokens", type=int, default=128, help="bench.py --max-tokens (default 128)")
+    a = ap.parse_args(argv)
+    t_start = time.monotonic()
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.work.mkdir(parents=True, exist_ok=True)
+    failures: list[str] = []
+    summary: dict = {"host": {}, "figures": {}, "checks": {}}
+
+    def check(name: str, ok: bool, detail: object) -> None:
+        summary["checks"][name] = {"ok": bool(ok), "detail": detail}
+        log(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
+        if not ok:
+            failures.append(name)
+
+    ver = run([sys.executable, "-c", "import json, os, torch, vllm; print(json.dumps({"
+               "'vllm': vllm.__version__, 'torch': torch.__version__, "
+               "'gpu': torch.cuda.get_device_name(0), "
+               "'site': os.path.dirname(os.path.dirname(vllm.__file__))}))"])
+    if ver.returncode:
+        print(f"e2e.py: vLLM or a GPU is not available here: {ver.stderr.strip().splitlines()[-1:]}",
+              file=sys.stderr)
+        return 2
+    host = json.loads(ver.stdout.strip().splitlines()[-1])
+    summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")}
+    summary["host"]["date"] = time.strftime("%Y-%m-%d")
+    log(f"host: {summary['host']}")
+
+    models = build_models(a.work)
+    summary["pipeline"] = {k: models[k] for k in ("merge", "verify", "recipe_dropped_from_index")}
+    log(f"pipeline: merge {models['merge']}, verify ok={models['verify']['ok']}")
+    patched, applied = patched_vllm(a.work, Path(host["site"]), host["vllm"])
+    summary["patches_applied"] = applied
+    stock_pp = os.pathsep.join([host["site"], os.environ.get("PYTHONPATH", "")])
+    patched_pp = os.pathsep.join([str(patched), stock_pp])
+    d = models["dirs"]
+    cases = [("int4-ref", "baseline", d["int4"], patched_pp),
+             ("hybrid-base", "baseline", d["hybrid"], patched_pp),
+             ("hybrid-mtp", "mtp", d["hybrid"], patched_pp),
+             ("hybrid-ngram", "ngram", d["hybrid"], patched_pp),
+             ("stock-hybrid", "baseline", d["hybrid"], stock_pp),
+             ("recipe-mtp", "mtp", d["recipe"], patched_pp)]
+    servers = {label: Server(label, method, model, 8101 + i, pp, a.out)
+               for i, (label, method, model, pp) in enumerate(cases)}
+    for s in servers.values():
+        s.start()
+    log("started " + ", ".join(f"{s.label}:{s.port}" for s in servers.values()))
+    deadline = time.monotonic() + min(a.start_timeout, a.budget - (time.monotonic() - t_start) - 120)
+    while time.monotonic() < deadline:
+        states = {k: s.poll() for k, s in servers.items()}
+        if all(v != "starting" for v in states.values()):
+            break
+        time.sleep(2)
+    states = {k: s.poll() for k, s in servers.items()}
+    summary["servers"] = {k: {"state": states[k], "ready_s": None if s.healthy_after is None
+                              else round(s.healthy_after, 1), "exit_code": s.exit_code,
+                              "argv": s.argv} for k, s in servers.items()}
+    log(f"server states: { {k: (v, servers[k].healthy_after) for k, v in states.items()} }")
+    try:
+        results = {k: probe(s) for k, s in servers.items() if states[k] == "up"}
+        for k, r in results.items():
+            (a.out / f"probe-{k}.json").write_text(json.dumps(r, indent=1))
+        up = [k for k, v in states.items() if v == "up"]
+        for k in ("int4-ref", "hybrid-base", "hybrid-mtp", "hybrid-ngram", "stock-hybrid"):
+            check(f"{k} serves", k in up, summary["servers"][k])
+        text = {k: s.log_text() for k, s in servers.items()}
+        fp8 = [int(x) for x in FP8_LINE.findall(text["hybrid-base"])]
+        check("patched: our log line counts the 12 shared-expert FP8 layers", fp8 == [12] * len(fp8) and fp8,
+              {"counts": fp8, "expected": models["merge"]["taken_from_fp8"]})
+        for k in ("hybrid-base", "hybrid-mtp", "hybrid-ngram"):
+            check(f"{k}: no FP8 scale skipped", not SKIP_LINE.search(text[k]),
+                  len(SKIP_LINE.findall(text[k])))
+        stock_skips = len(SKIP_LINE.findall(text["stock-hybrid"]))
+        check("stock: skips the FP8 scales (the bug)", stock_skips > 0, stock_skips)
+        summary["kernel_lines"] = {k: sorted({m.strip()[:160] for m in re.findall(
+            r"[^\n]*(?:Marlin|Fp8|FP8|MoE backend|Using \w+ backend)[^\n]*", text[k])})[:12]
+            for k in ("int4-ref", "hybrid-base", "stock-hybrid")}
+        if "int4-ref" in results and "hybrid-base" in results:
+            cmp = compare(results["int4-ref"], results["hybrid-base"])
+            summary["figures"]["hybrid_vs_int4"] = cmp
+            tol_ok = cmp["max_abs_logprob_diff"] is not None and cmp["max_abs_logprob_diff"] <= LOGPROB_TOL
+            same = cmp["same_tokens"] == cmp["prompts"]
+            check("patched hybrid tracks the INT4 checkpoint", same and tol_ok, cmp)
+            succ = follows_successors(results["int4-ref"])
+            check("INT4 checkpoint answers as the tiny model was built to", succ >= len(PROMPTS) - 1,
+                  f"{succ}/{len(PROMPTS)} prompts follow the successor map")
+            check("different prompts, different answers", cmp["distinct_texts"] == len(PROMPTS),
+                  cmp["distinct_texts"])
+        if "int4-ref" in results and "stock-hybrid" in results:
+            cmp = compare(results["int4-ref"], results["stock-hybrid"])
+            summary["figures"]["stock_vs_int4"] = cmp
+            check("stock vLLM fails the same check on our hybrid", cmp["same_tokens"] < cmp["prompts"] // 2
+                  or (cmp["max_abs_logprob_diff"] or 0) > LOGPROB_TOL, cmp)
+        for k in ("hybrid-mtp", "hybrid-ngram"):
+            if "hybrid-base" in results and k in results:
+                cmp = compare(results["hybrid-base"], results[k])
+                summary["figures"][f"{k}_vs_baseline"] = cmp
+                check(f"{k}: same greedy tokens as baseline (lossless)",
+                      cmp["same_tokens"] >= len(PROMPTS) - 1, f"{cmp['same_tokens']}/{cmp['prompts']}")
+        rec = servers["recipe-mtp"]
+        summary["recipe_without_mtp_index_patch"] = {
+            "state": states["recipe-mtp"], "exit_code": rec.exit_code,
+            "error": [ln[:300] for ln in text["recipe-mtp"].splitlines()
+                      if re.search(r"Error|error:|missing|not found", ln)][-4:]}
+        check("recipe variant (no MTP index patch) outcome recorded", True,
+              summary["recipe_without_mtp_index_patch"])
+
+        # bench.py run against the three hybrid servers, one after the other
+        runs = a.out / "runs"
+        for k in ("hybrid-base", "hybrid-mtp", "hybrid-ngram"):
+            if k not in results:
+                continue
+            s = servers[k]
+            left = a.budget - (time.monotonic() - t_start)
+            if left < 45:
+                check(f"{k}: bench run", False, f"no time left ({left:.0f} s)")
+                continue
+            before = scrape(s)
+            label = {"hybrid-base": "baseline", "hybrid-mtp": "mtp", "hybrid-ngram": "ngram"}[k]
+            meta = {"speculative_config": json.loads(s.argv[s.argv.index("--speculative-config") + 1])
+                    if "--speculative-config" in s.argv else None, "serve_argv": s.argv, "gpu": host["gpu"]}
+            r = run([sys.executable, str(ROOT / "scripts/bench.py"), "run", "--base-url", s.url,
+                     "--model", "tiny", "--label", label, "--out", str(runs), "--warmup", "1",
+                     "--max-tokens", str(a.bench_max_tokens), "--category", "chat_qa,code,json,math",
+                     "--quiet", "--meta-json", json.dumps(meta)], timeout=max(30, left - 15))
+            after = scrape(s)
+            docs = sorted(runs.glob(f"*-{label}-*.json")) if runs.exists() else []
+            if r.returncode or not docs:
+                check(f"{k}: bench run", False, (r.stdout + r.stderr)[-800:])
+                continue
+            doc = json.loads(docs[-1].read_text())
+            sp, counters = doc["spec"], doc.get("spec_counters", {})
+            fig = {"valid": doc["valid"], "problems": doc["problems"],
+                   "decode_tok_s": doc["summary"].get("decode_tok_s"),
+                   "ttft_ms": doc["summary"].get("ttft_ms"),
+                   "acceptance_rate": sp.get("acceptance_rate"), "per_position": sp.get("per_position"),
+                   "mean_acceptance_length": sp.get("mean_acceptance_length"),
+                   "num_drafts": sp.get("num_drafts")}
+            summary["figures"][f"bench-{label}"] = fig
+            check(f"{k}: bench run valid", doc["valid"], fig)
+            if label == "baseline":
+                continue
+            agree = runner_matches_counters(sp, counters, before, after)
+            check(f"{k}: runner's acceptance = /metrics deltas of its measured phase", agree["ok"], agree)
+            drafts = agree["counters"]["drafts"]
+            if label == "mtp":
+                rate = sp.get("acceptance_rate")
+                check("mtp: drafts counted and accepted", bool(drafts) and rate is not None
+                      and rate >= MTP_MIN_ACCEPTANCE, {"drafts": drafts, "acceptance_rate": rate,
+                                                       "per_position": sp.get("per_position")})
+        if runs.exists():
+            rep = run([sys.executable, str(ROOT / "scripts/bench.py"), "report", str(runs), "--out",
+                       str(a.out / "report"), "--no-charts"])
+            check("report written", rep.returncode == 0 and (a.out / "report" / "report.md").exists(),
+                  (rep.stdout + rep.stderr)[-400:])
+    finally:
+        for s in servers.values():
+            s.stop()
+    summary["seconds"] = round(time.monotonic() - t_start, 1)
+    summary["failed"] = failures
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print("E2E SUMMARY " + json.dumps({k: summary[k] for k in ("host", "figures", "failed", "seconds")}),
+          flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
