@@ -29,6 +29,8 @@ MAIN_OPTIONS = [
     ("short-context-mem-090", {"vllm_max_model_len": 32768, "vllm_gpu_memory_utilization": 0.9,
                                "vllm_served_model_name": "other-name", "vllm_model_path": "/models/q"}),
     ("no-reasoning-parser", {"vllm_reasoning_parser": ""}),
+    ("extra-args-and-backend", {"vllm_serve_extra_args": ["--enforce-eager", "--max-num-seqs", "8"],
+                                "vllm_attention_backend": "TRITON_ATTN"}),
     ("tokens-override", {"spec_num_speculative_tokens": 4, "spec_ngram_lookup_min": 1,
                          "spec_ngram_lookup_max": 3}),
     ("ray-tp2", {"spark_tensor_parallel_size": 2, "spark_distributed_backend": "ray"}),
@@ -64,8 +66,13 @@ def assert_parsed_matches(parsed: dict, s: dict, catalogue: dict, argv: list[str
     spec = spark_speculative_config(s, catalogue)
     assert parsed["speculative_config"] == spec
     assert parsed["engine_speculative_config"] == spec
-    assert parsed["attention_backend"] == flags.get("attention_backend")
-    assert parsed["attention_backend_resolved"] == flags.get("attention_backend"), parsed
+    backend = s.get("vllm_attention_backend") or flags.get("attention_backend")
+    assert parsed["attention_backend"] == backend
+    assert parsed["attention_backend_resolved"] == backend, parsed
+    extra = s.get("vllm_serve_extra_args") or []
+    assert parsed["enforce_eager"] is ("--enforce-eager" in extra)
+    if "--max-num-seqs" in extra:
+        assert parsed["max_num_seqs"] == int(extra[extra.index("--max-num-seqs") + 1])
     assert parsed["max_num_batched_tokens"] == flags.get("max_num_batched_tokens")
     # stats stay on (speculative metrics), prefix caching off (Qwen3.5 on 0.19), no key in argv
     assert parsed["disable_log_stats"] is False
@@ -225,7 +232,7 @@ def test_dflash_argv_parses_on_0_20(dflash_answers, catalogue, index):
     result = answers[1 + index]
     assert result["ok"], result.get("stderr")
     assert_parsed_matches(result["args"], cases[index], catalogue, [])
-    assert result["args"]["attention_backend"] == "FLASH_ATTN"
+    assert result["args"]["attention_backend"] == (cases[index].get("vllm_attention_backend") or "FLASH_ATTN")
     assert result["args"]["max_num_batched_tokens"] == 4096
     assert result["args"]["gpu_memory_utilization"] <= 0.85
 
@@ -242,3 +249,23 @@ def test_dflash_probe_can_fail(dflash_answers):
     _, answers = dflash_answers
     result = answers[2 + len(MAIN_OPTIONS)]
     assert not result["ok"] and result["exit_code"] == 2
+
+
+# --- the real-GPU run's argv (tests/gpu/e2e.py) on vLLM 0.20.0 ----------------------------------
+
+def test_gpu_e2e_argv_parses_on_0_20(vllm_module, catalogue, variants):
+    """Every server tests/gpu/e2e.py starts, rendered by spark_serve_argv with the host knobs
+    (vllm_attention_backend, vllm_serve_extra_args), is accepted by 0.20.0's own parser."""
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    import e2e
+
+    cases = [settings(spec_method=m, vllm_model_path="/tmp/tiny", vllm_port=8101, **e2e.TEST_OVERRIDES,
+                      **e2e.HOST_SETTINGS) for m in ("baseline", "mtp", "ngram")]
+    requests = [{"argv": spark_serve_argv(s, catalogue)} for s in cases]
+    answers = run_probe_020(variants, requests)
+    for s, result in zip(cases, answers[1:], strict=True):
+        assert result["ok"], result.get("stderr")
+        parsed = result["args"]
+        assert parsed["attention_backend"] == "FLASH_ATTN"
+        assert parsed["speculative_config"] == spark_speculative_config(s, catalogue)
+        assert parsed["gpu_memory_utilization"] == pytest.approx(0.08)

@@ -23,7 +23,7 @@ REPORTED = (
     "reasoning_parser", "speculative_config", "attention_backend", "max_num_batched_tokens",
     "enable_prefix_caching", "disable_log_stats", "tensor_parallel_size",
     "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port", "headless",
-    "api_key",
+    "api_key", "enforce_eager", "max_num_seqs",
 )
 
 
