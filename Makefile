@@ -11,7 +11,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image \
-        bench-merge bench-runner demo clean
+        bench-merge bench-runner demo gpu-e2e clean
 
 # --- set-up ----------------------------------------------------------------
 $(BIN)/.stamp: requirements.txt
@@ -66,3 +66,8 @@ demo: setup testhost-image  ## try the whole pipeline without a Spark
 
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache
+
+# --- real GPU (not part of `make test`: CI has no GPU) -------------------------------------------
+# On a host with a CUDA GPU where `import vllm` works; see tests/gpu/e2e.py and the README.
+gpu-e2e:
+	$(PYTHON) tests/gpu/e2e.py --out results/gpu-e2e $(ARGS)
