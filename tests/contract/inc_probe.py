@@ -1,23 +1,38 @@
 """Run vLLM's INC (AutoRound) quantization config on a checkpoint and report its method choices.
 
-Executed in a subprocess by test_inc_hybrid_patch_contract.py, with the Python of .venv-vllm::
+Executed in a subprocess by the INC patch contract tests, with the Python of .venv-vllm::
 
     python inc_probe.py CHECKPOINT_DIR [CHECKPOINT_DIR ...] [--vllm-parent DIR]
 
 ``--vllm-parent`` is a directory holding a (patched) copy of the ``vllm`` package; it is put first
-on sys.path so that copy is imported instead of the installed one. Prints one JSON object with a
-result per checkpoint (one process for several checkpoints: importing vLLM takes ~30 s here).
+on sys.path so that copy is imported instead of the installed one (for vLLM 0.20.0: a copy of the
+pure-Python part of its wheel; 0.19.1's compiled extensions are not on that path, so vLLM runs
+without ``vllm._C``, which nothing below needs). Prints one JSON object with a result per
+checkpoint (one process for several checkpoints: importing vLLM takes ~30 s here).
 
 What it does, all with vLLM's own code on the CPU platform:
 - a one-process gloo group (init_distributed_environment + initialize_model_parallel(1, 1)),
-- INCConfig from the checkpoint's config.json quantization_config, then maybe_update_config(dir)
-  as VllmConfig does, then the model's hf_to_vllm_mapper and packed_modules_mapping as
-  vLLM's model construction applies them,
+- per checkpoint a real ModelConfig (config.json read by vLLM, dtype bfloat16) and VllmConfig:
+  VllmConfig builds the INC config itself (get_quant_config, then maybe_update_config called the
+  way that vLLM version calls it), then the model's hf_to_vllm_mapper and packed_modules_mapping
+  are applied as vLLM's model construction applies them,
 - builds the shared expert's fused gate_up_proj / down_proj as real vLLM linear layers with that
-  quant config (method chosen and weights created by vLLM), and asks the INC config's GPU-path
-  selection about INT4 layers (an attention projection and an expert projection as linear
-  layers): on the CPU platform INC's get_quant_method goes to an IPEX path that 0.19.1 does not
-  implement, so the CUDA branch (apply_gptq_quant_layer) is called directly.
+  quant config (method chosen and weights created by vLLM), then loads the checkpoint's shared
+  expert tensors into them with the parameters' own weight_loader, after the model's
+  hf_to_vllm_mapper and the stacked-parameter renaming Qwen3_5Model.load_weights does
+  (gate_proj/up_proj -> gate_up_proj shards 0/1, copied here): a tensor with no parameter of
+  that name is what the loader would skip ("not found in params_dict"),
+- asks the INC config about INT4 layers (an attention projection and an expert projection as
+  linear layers) with the GPU path (apply_gptq_quant_layer): on the CPU platform 0.19.1's
+  get_quant_method goes to an IPEX path it does not implement (0.20.0's CPU path ends in the same
+  apply_gptq_quant_layer).
+
+Not exercised: any GEMM or kernel. vLLM 0.20.0 picks the FP8 GEMM kernel inside
+Fp8LinearMethod.create_weights (init_fp8_linear_kernel) and has no FP8 block kernel for the CPU
+platform. The probe wraps that function: it calls the real one, records its arguments (the
+weight/activation quant group shapes, the weight shape) and, only when the real call raises,
+records the error and hands back an inert placeholder so that create_weights can finish. Which
+parameters create_weights registers (the subject here) happens before that call and is unchanged.
 """
 
 from __future__ import annotations
@@ -48,7 +63,9 @@ def main() -> int:
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.quantization import inc as inc_module
 
-    report: dict[str, object] = {"vllm_file": vllm.__file__, "inc_file": inc_module.__file__}
+    report: dict[str, object] = {"vllm_file": vllm.__file__, "inc_file": inc_module.__file__,
+                                 "vllm_version": vllm.__version__}
+    kernel_calls = record_fp8_kernel_choice()
     torch.set_default_dtype(torch.bfloat16)
     with set_current_vllm_config(VllmConfig()):
         store = tempfile.mkdtemp(prefix="inc-probe-gloo-")
@@ -57,15 +74,116 @@ def main() -> int:
             distributed_init_method=f"file://{store}/store", backend="gloo",
         )
         initialize_model_parallel(1, 1)
-        report["results"] = [
-probe_checkpoint(path) for path in a.checkpoints
-        ]
+        results = []
+        for path in a.checkpoints:
+            kernel_calls.clear()
+            result = probe_checkpoint(path)
+            result["fp8_kernel_calls"] = list(kernel_calls)
+            results.append(result)
+        report["results"] = results
     print("INC_PROBE_RESULT " + json.dumps(report, sort_keys=True))
     return 0
 
 
+class _NoFp8KernelOnThisPlatform:
+    """Stands in for the FP8 GEMM kernel where vLLM has none for the platform (never applied)."""
+
+
+def record_fp8_kernel_choice() -> list[dict[str, object]]:
+    """Wrap fp8.init_fp8_linear_kernel (0.20.0: called by create_weights) to record its inputs."""
+    from vllm.model_executor.layers.quantization import fp8 as fp8_module
+
+    calls: list[dict[str, object]] = []
+    real = getattr(fp8_module, "init_fp8_linear_kernel", None)
+    if real is None:
+        return calls
+
+    def group(key) -> list[int] | None:
+        shape = getattr(getattr(key, "scale", None), "group_shape", None)
+        return None if shape is None else [int(x) for x in shape]
+
+    def recording(*args, **kwargs):
+        entry: dict[str, object] = {
+            "weight_group": group(kwargs.get("weight_quant_key")),
+            "activation_group": group(kwargs.get("activation_quant_key")),
+            "weight_shape": list(kwargs["weight_shape"]) if "weight_shape" in kwargs else None,
+        }
+        calls.append(entry)
+        try:
+            kernel = real(*args, **kwargs)
+        except Exception as e:  # no FP8 kernel for the CPU platform (0.20.0)
+            entry["kernel_error"] = f"{type(e).__name__}: {e}"
+            return _NoFp8KernelOnThisPlatform()
+        entry["kernel"] = type(kernel).__name__
+        return kernel
+
+    fp8_module.init_fp8_linear_kernel = recording
+    return calls
+
+
+# Qwen3_5Model.load_weights' stacked_params_mapping entries for the MLP (checkpoint part -> fused
+# parameter, shard id); every other shared-expert tensor is loaded under its own name.
+STACKED_MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def load_shared_expert(path: str, model_cls, layers: dict[str, object], vllm_prefix: str
+                       ) -> dict[str, object]:
+    """Load the checkpoint's shared-expert tensors of layer 0 into ``layers`` as vLLM would."""
+    import torch
+    from safetensors import safe_open
+
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    hf_prefix = "model.language_model.layers.0.mlp.shared_expert."
+    names = sorted(n for n in weight_map if n.startswith(hf_prefix))
+    report: dict[str, object] = {"checkpoint_tensors": names, "loaded": [], "not_found": [],
+                                 "errors": {}, "mismatched": []}
+    for name in names:
+        with safe_open(os.path.join(path, weight_map[name]), framework="pt") as f:
+            tensor = f.get_tensor(name)
+        mapper = getattr(model_cls, "hf_to_vllm_mapper", None)
+        mapped = next(iter(mapper.apply([(name, tensor)])))[0] if mapper is not None else name
+        assert mapped.startswith(vllm_prefix), (mapped, vllm_prefix)
+        part, _, param_name = mapped[len(vllm_prefix):].partition(".")
+        layer_name, shard = STACKED_MLP.get(part, (part, None))
+        params = dict(layers[layer_name].named_parameters()) if layer_name in layers else {}
+        if param_name not in params:
+            report["not_found"].append(f"{vllm_prefix}{layer_name}.{param_name}")
+            continue
+        param = params[param_name]
+        try:
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+        except Exception as e:
+            report["errors"][name] = f"{type(e).__name__}: {e}"
+            continue
+        report["loaded"].append(name)
+        rows = tensor.shape[0]
+        start = 0 if shard in (None, 0) else param.shape[0] - rows
+        got = param.data[start:start + rows].contiguous()
+        # compare bytes: the generated weights are random bit patterns (NaNs compare unequal)
+        same = got.dtype == tensor.dtype and torch.equal(got.view(torch.uint8),
+                                                         tensor.contiguous().view(torch.uint8))
+        if not same:
+            report["mismatched"].append(name)
+    return report
+
+
 def probe_checkpoint(path: str) -> dict[str, object]:
     """Method choices of vLLM's INC config for one checkpoint (needs the process group set up)."""
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    # vLLM's own ModelConfig/VllmConfig: VllmConfig builds the quant config and calls
+    # maybe_update_config the way this vLLM version does. 0.20.0's Fp8LinearMethod reads the
+    # model dtype from the current VllmConfig.
+    vllm_config = VllmConfig(model_config=ModelConfig(model=path, dtype="bfloat16"))
+    with set_current_vllm_config(vllm_config):
+        return probe_with_config(path, vllm_config.quant_config)
+
+
+def probe_with_config(path: str, config) -> dict[str, object]:
     from vllm.model_executor.layers.linear import (
         MergedColumnParallelLinear,
         QKVParallelLinear,
@@ -80,9 +198,7 @@ def probe_checkpoint(path: str) -> dict[str, object]:
     text = hf_config["text_config"]
     hidden, shared_inter = text["hidden_size"], text["shared_expert_intermediate_size"]
 
-    config = INCConfig.from_config(hf_config["quantization_config"])
-    # What VllmConfig._get_quantization_config does after building the config:
-    config.maybe_update_config(path)
+    assert isinstance(config, INCConfig), type(config)
     # What model construction does (configure_quant_config / SupportsQuant):
     if getattr(model_cls, "hf_to_vllm_mapper", None) is not None:
         config.apply_vllm_mapper(model_cls.hf_to_vllm_mapper)
@@ -110,6 +226,9 @@ def probe_checkpoint(path: str) -> dict[str, object]:
     )
     result["shared_gate_up"] = layer_report(gate_up)
     result["shared_down"] = layer_report(down)
+    result["shared_load"] = load_shared_expert(
+        path, model_cls, {"gate_up_proj": gate_up, "down_proj": down},
+        f"{prefix}.mlp.shared_expert.")
 
     # INT4 layers: the CPU platform sends INC to its IPEX path (NotImplementedError in 0.19.1),
     # so select with the GPU path, as get_quant_method does on CUDA.

@@ -1,12 +1,25 @@
-"""patches/vllm-0.19.1/0001-inc-hybrid-fp8.patch against the installed vLLM 0.19.1.
+"""Our INC hybrid patches (patches/vllm-<version>/) against the real vLLM they are written for.
 
-- The patch applies to the installed inc.py (git apply and patch -p1, as patches/README.md says).
-- A copy of the installed vllm package (compiled extensions symlinked, never modified) is patched
-  in a temporary directory; inc_probe.py runs vLLM's real INC config with it (put first on
-  sys.path in a subprocess) on a generated hybrid checkpoint: FP8 method for the shared expert,
-  GPTQ-Marlin for INT4 layers, the FP8 layer count right.
-- The same probe on the unpatched installed package picks the unquantized method for the shared
-  expert: the test can fail.
+Every test runs once per version (ids ``0.19.1`` and ``0.20.0``):
+- 0.19.1: the vLLM installed in .venv-vllm.
+- 0.20.0: the pure-Python part of its wheel (.cache/vllm-0.20.0-py, fetched by
+  setup_vllm_env.sh), run by the same interpreter (torch 2.10) put first on sys.path, without
+  compiled extensions (vllm._C is absent; nothing here needs it). Skipped when it is missing.
+
+- The series applies to that version's pristine inc.py (git apply and patch -p1, as
+  patches/README.md says).
+- A copy of that vllm package (compiled extensions symlinked, never modified) is patched in a
+  temporary directory; inc_probe.py runs vLLM's real ModelConfig/VllmConfig (which build the INC
+  config and call maybe_update_config themselves) with it first on sys.path in a subprocess, on a
+  generated hybrid checkpoint: FP8 method for the shared expert, with weight and weight_scale_inv
+  parameters that the checkpoint's tensors load into byte for byte, GPTQ-Marlin for INT4 layers,
+  the FP8 layer count right.
+- The same probe on the unpatched package picks the unquantized method for the shared expert and
+  finds no parameter for the weight_scale_inv tensors: the tests can fail.
+
+Not exercised (no GPU here): kernels and forward passes. In 0.20.0 Fp8LinearMethod picks its GEMM
+kernel while creating weights and has none for the CPU platform; inc_probe.py records the inputs
+of that choice (block group shapes) and steps past the error, see its docstring.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,34 +41,68 @@ pytestmark = pytest.mark.vllm_contract
 CONTRACT_DIR = Path(__file__).resolve().parent
 ROOT = CONTRACT_DIR.parents[1]
 
-PATCH_DIR = ROOT / "patches" / "vllm-0.19.1"
-PATCH = PATCH_DIR / "0001-inc-hybrid-fp8.patch"
+PATCH_NAME = "0001-inc-hybrid-fp8.patch"
 INC_REL = Path("vllm/model_executor/layers/quantization/inc.py")
 SHARED = "language_model.model.layers.0.mlp.shared_expert"
+VERSIONS = ["0.19.1", "0.20.0"]
+LOG_LINE = "INC: hybrid checkpoint: found {n} FP8 layers (F8_E4M3, {b}x{b} block scales)"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One vLLM version: where its pristine package is, and which patch dir belongs to it."""
+
+    version: str
+    package: Path  # the pristine `vllm` package directory
+    installed: bool  # True: the one .venv-vllm imports by default
+
+    @property
+    def parent(self) -> Path:
+        return self.package.parent
+
+    @property
+    def patch_dir(self) -> Path:
+        return ROOT / "patches" / f"vllm-{self.version}"
+
+    @property
+    def patch(self) -> Path:
+        return self.patch_dir / PATCH_NAME
+
+    @property
+    def probe_parent(self) -> Path | None:
+        """--vllm-parent for the unpatched run (None: the installed package)."""
+        return None if self.installed else self.parent
+
+
+@pytest.fixture(scope="session", params=VERSIONS)
+def target(request, vllm_module) -> Target:
+    version = request.param
+    if version == vllm_module.__version__:
+        return Target(version, Path(vllm_module.__file__).resolve().parent, installed=True)
+    overlay = ROOT / ".cache" / f"vllm-{version}-py"
+    if not (overlay / ".complete").exists():
+        pytest.skip(f"{overlay} is missing: run tests/contract/setup_vllm_env.sh (it extracts the "
+                    f"pure-Python part of the vLLM {version} wheel)")
+    return Target(version, (overlay / "vllm").resolve(), installed=False)
 
 
 @pytest.fixture(scope="session")
-def installed_vllm(vllm_module) -> Path:
-    return Path(vllm_module.__file__).resolve().parent
-
-
-@pytest.fixture(scope="session")
-def installed_inc_digest(installed_vllm):
-    path = installed_vllm.parent / INC_REL
+def pristine_inc_digest(target):
+    path = target.parent / INC_REL
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     yield digest
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, "the installed inc.py was modified"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, f"{path} was modified"
 
 
-def series_patches() -> list[Path]:
-    names = [ln.strip() for ln in (PATCH_DIR / "series").read_text().splitlines()
+def series_patches(target: Target) -> list[Path]:
+    names = [ln.strip() for ln in (target.patch_dir / "series").read_text().splitlines()
              if ln.strip() and not ln.lstrip().startswith("#")]
-    return [PATCH_DIR / n for n in names]
+    return [target.patch_dir / n for n in names]
 
 
-def pristine_tree(installed_vllm: Path, dest: Path) -> Path:
+def pristine_tree(target: Target, dest: Path) -> Path:
     (dest / INC_REL).parent.mkdir(parents=True)
-    shutil.copy2(installed_vllm.parent / INC_REL, dest / INC_REL)
+    shutil.copy2(target.parent / INC_REL, dest / INC_REL)
     return dest
 
 
@@ -63,9 +111,9 @@ def git(*args, cwd) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def patched_parent(installed_vllm, installed_inc_digest, tmp_path_factory) -> Path:
-    """A copy of the installed vllm package with the series applied (site-packages layout)."""
-    parent = tmp_path_factory.mktemp("patched-site")
+def patched_parent(target, pristine_inc_digest, tmp_path_factory) -> Path:
+    """A copy of the pristine vllm package with the series applied (site-packages layout)."""
+    parent = tmp_path_factory.mktemp(f"patched-site-{target.version}")
 
     def copy(src, dst):
         if src.endswith(".so"):
@@ -75,8 +123,8 @@ def patched_parent(installed_vllm, installed_inc_digest, tmp_path_factory) -> Pa
 
     # __pycache__ is copied with its sources (copy2 keeps mtimes, so the bytecode stays valid and
     # only patched files are recompiled: a cold import of vLLM compiles for ~30 s).
-    shutil.copytree(installed_vllm, parent / "vllm", copy_function=copy)
-    for patch in series_patches():
+    shutil.copytree(target.package, parent / "vllm", copy_function=copy)
+    for patch in series_patches(target):
         check = git("apply", "--check", str(patch), cwd=parent)
         assert check.returncode == 0, f"{patch.name} does not apply: {check.stderr}"
         applied = git("apply", str(patch), cwd=parent)
@@ -84,13 +132,13 @@ def patched_parent(installed_vllm, installed_inc_digest, tmp_path_factory) -> Pa
     return parent
 
 
-def start_probe(checkpoints: list[Path], vllm_parent: Path | None) -> subprocess.Popen:
+def start_probe(checkpoints: list[Path], vllm_parent: Path | None, pristine: bool) -> subprocess.Popen:
     """Start inc_probe.py for several checkpoints (one process: importing vLLM takes ~30 s here)."""
     cmd = [sys.executable, str(CONTRACT_DIR / "inc_probe.py"), *map(str, checkpoints)]
     env = dict(os.environ)
-    if vllm_parent is None:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"  # write nothing into .venv-vllm
-    else:
+    if pristine:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # write nothing into .venv-vllm or .cache
+    if vllm_parent is not None:
         cmd += ["--vllm-parent", str(vllm_parent)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -102,6 +150,7 @@ def finish_probe(proc: subprocess.Popen) -> list[dict]:
     report = json.loads(lines[-1].split(" ", 1)[1])
     for result in report["results"]:
         result["inc_file"] = report["inc_file"]
+        result["vllm_version"] = report["vllm_version"]
         result["log"] = stdout + stderr
     return report["results"]
 
@@ -123,12 +172,11 @@ def hybrid128(checkpoints):
 
 
 @pytest.fixture(scope="session")
-def probe_results(patched_parent, checkpoints, installed_inc_digest):
-    """Patched copy on every checkpoint and the installed (unpatched) vLLM on hybrid128, run
-    concurrently."""
+def probe_results(target, patched_parent, checkpoints, pristine_inc_digest):
+    """Patched copy on every checkpoint and the unpatched package on hybrid128, run concurrently."""
     names = list(checkpoints)
-    patched = start_probe([checkpoints[n].path for n in names], patched_parent)
-    unpatched = start_probe([checkpoints["hybrid128"].path], None)
+    patched = start_probe([checkpoints[n].path for n in names], patched_parent, pristine=False)
+    unpatched = start_probe([checkpoints["hybrid128"].path], target.probe_parent, pristine=True)
     try:
         patched_results = dict(zip(names, finish_probe(patched), strict=True))
         unpatched_result = finish_probe(unpatched)[0]
@@ -146,31 +194,42 @@ def patched_results(probe_results):
 
 # --- the patch applies --------------------------------------------------------------------------
 
-def test_series_applies_to_pristine_inc_with_git(installed_vllm, installed_inc_digest, tmp_path):
-    tree = pristine_tree(installed_vllm, tmp_path / "src")
-    for patch in series_patches():
+def test_series_applies_to_pristine_inc_with_git(target, pristine_inc_digest, tmp_path):
+    tree = pristine_tree(target, tmp_path / "src")
+    for patch in series_patches(target):
         check = git("apply", "--check", "-v", str(patch), cwd=tree)
         assert check.returncode == 0, check.stderr
         assert git("apply", str(patch), cwd=tree).returncode == 0
     # applied exactly: it reverses cleanly, and the file changed
-    assert git("apply", "--check", "-R", str(PATCH), cwd=tree).returncode == 0
-    assert (tree / INC_REL).read_bytes() != (installed_vllm.parent / INC_REL).read_bytes()
+    assert git("apply", "--check", "-R", str(target.patch), cwd=tree).returncode == 0
+    assert (tree / INC_REL).read_bytes() != (target.parent / INC_REL).read_bytes()
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
-def test_patch_p1_works_in_site_packages_layout(installed_vllm, installed_inc_digest, tmp_path):
+def test_patch_p1_works_in_site_packages_layout(target, pristine_inc_digest, tmp_path):
     """patches/README.md documents `patch -p1 -d <site-packages>` for an installed vLLM."""
-    tree = pristine_tree(installed_vllm, tmp_path / "site-packages")
-    proc = subprocess.run(["patch", "-p1", "--dry-run", "-d", str(tree), "-i", str(PATCH)],
+    tree = pristine_tree(target, tmp_path / "site-packages")
+    proc = subprocess.run(["patch", "-p1", "--dry-run", "-d", str(tree), "-i", str(target.patch)],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAILED" not in proc.stdout and "offset" not in proc.stdout.lower()
+    assert "fuzz" not in proc.stdout.lower()
 
 
-def test_patched_copy_is_used_and_installed_file_untouched(patched_parent, installed_vllm):
+def test_other_versions_patches_do_not_apply(target, pristine_inc_digest, tmp_path):
+    """Each version needs its own patch: the other version's does not apply (git apply)."""
+    tree = pristine_tree(target, tmp_path / "src")
+    for version in VERSIONS:
+        if version == target.version:
+            continue
+        other = ROOT / "patches" / f"vllm-{version}" / PATCH_NAME
+        assert git("apply", "--check", str(other), cwd=tree).returncode != 0, other
+
+
+def test_patched_copy_is_used_and_pristine_file_untouched(patched_parent, target):
     patched = (patched_parent / INC_REL).read_text()
     assert "def maybe_update_config" in patched and "Fp8Config" in patched
-    assert "def maybe_update_config" not in (installed_vllm.parent / INC_REL).read_text()
+    assert "def maybe_update_config" not in (target.parent / INC_REL).read_text()
 
 
 # --- what the real vLLM code does with it --------------------------------------------------------
@@ -185,9 +244,10 @@ def unpatched_result(probe_results):
     return probe_results[1]
 
 
-def test_probe_ran_the_intended_code(patched_result, unpatched_result, patched_parent, installed_vllm):
+def test_probe_ran_the_intended_code(patched_result, unpatched_result, patched_parent, target):
     assert Path(patched_result["inc_file"]).resolve() == (patched_parent / INC_REL).resolve()
-    assert Path(unpatched_result["inc_file"]).resolve() == (installed_vllm.parent / INC_REL).resolve()
+    assert Path(unpatched_result["inc_file"]).resolve() == (target.parent / INC_REL).resolve()
+    assert patched_result["vllm_version"] == unpatched_result["vllm_version"] == target.version
 
 
 def test_patched_finds_exactly_the_fp8_layers(patched_result, hybrid128):
@@ -195,7 +255,8 @@ def test_patched_finds_exactly_the_fp8_layers(patched_result, hybrid128):
     assert patched_result["fp8_layer_count"] == len(hybrid128.fp8_layers)
     assert patched_result["fp8_block"] == [128, 128]
     assert patched_result["fp8_dynamic"] is True
-    assert f"found {len(hybrid128.fp8_layers)} FP8 layers" in patched_result["log"]
+    # the GPU end-to-end script greps "found (\\d+) FP8 layers" in the server log
+    assert LOG_LINE.format(n=len(hybrid128.fp8_layers), b=128) in patched_result["log"]
 
 
 def test_patched_shared_expert_uses_block_fp8(patched_result, hybrid128):
@@ -224,7 +285,7 @@ def test_patched_int4_layers_keep_gptq_marlin(patched_result):
     assert patched_result["shared_expert_gate_method"] == "UnquantizedLinearMethod"
 
 
-def test_unpatched_0_19_1_treats_fp8_shared_expert_as_unquantized(unpatched_result):
+def test_unpatched_treats_fp8_shared_expert_as_unquantized(unpatched_result):
     """The bug the patch fixes, shown by the same probe: proves the patched assertions can fail."""
     assert unpatched_result["fp8_layer_count"] == 0
     assert unpatched_result["shared_gate_up"]["method"] == "UnquantizedLinearMethod"
@@ -232,6 +293,10 @@ def test_unpatched_0_19_1_treats_fp8_shared_expert_as_unquantized(unpatched_resu
     assert "weight_scale_inv" not in unpatched_result["shared_gate_up"]["params"]
     assert unpatched_result["shared_down"]["method"] == "UnquantizedLinearMethod"
     assert unpatched_result["int4_attention_method"] == "GPTQMarlinLinearMethod"
+    assert "FP8 layers" not in unpatched_result["log"]
+    # the loader would skip every block scale: no parameter of that name
+    assert sorted(unpatched_result["shared_load"]["not_found"]) == sorted(
+        [f"{SHARED}.down_proj.weight_scale_inv"] + [f"{SHARED}.gate_up_proj.weight_scale_inv"] * 2)
 
 
 @pytest.mark.parametrize("block", [64, 32])
@@ -252,3 +317,27 @@ def test_patched_leaves_plain_int4_checkpoints_alone(patched_results, checkpoint
     assert result["fp8_block"] is None
     assert result["shared_gate_up"]["method"] == "UnquantizedLinearMethod"
     assert result["int4_expert_linear_method"] == "GPTQMarlinLinearMethod"
+
+
+@pytest.mark.parametrize("name", ["hybrid128", "hybrid64", "hybrid32", "plain"])
+def test_patched_loads_every_shared_expert_tensor(patched_results, checkpoints, name):
+    """Every shared-expert tensor of the checkpoint has a parameter and lands in it unchanged."""
+    load = patched_results[name]["shared_load"]
+    expected = sorted(n for n in checkpoints[name].shapes
+                      if n.startswith("model.language_model.layers.0.mlp.shared_expert."))
+    assert load["checkpoint_tensors"] == expected
+    assert len(expected) == (6 if checkpoints[name].fp8_layers else 3)
+    assert load["not_found"] == [] and load["errors"] == {} and load["mismatched"] == []
+    assert load["loaded"] == expected
+
+
+def test_patched_fp8_kernel_is_asked_for_block_quant(patched_result, target):
+    """0.20.0 chooses the FP8 GEMM kernel in create_weights: it is asked for 128x128 weight blocks
+    and 1x128 dynamic activation groups, for both shared-expert layers. (Which kernel: CUDA only.)"""
+    if target.version == "0.19.1":
+        pytest.skip("0.19.1 picks the block-FP8 GEMM (W8A8BlockFp8LinearOp) outside init_fp8_linear_kernel")
+    calls = patched_result["fp8_kernel_calls"]
+    assert [c["weight_shape"] for c in calls] == [[256, 256], [256, 128]]
+    for call in calls:
+        assert call["weight_group"] == [128, 128]
+        assert call["activation_group"] == [1, 128]

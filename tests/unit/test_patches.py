@@ -70,10 +70,16 @@ def parse_unified_diff(text: str) -> list[dict]:
     return files
 
 
-def test_there_is_a_series_for_0_19_1():
-    assert (PATCHES / "vllm-0.19.1" / "series").is_file()
-    assert "0001-inc-hybrid-fp8.patch" in series(PATCHES / "vllm-0.19.1")
+INC_VERSIONS = ["0.19.1", "0.20.0"]
+LOG_FORMAT = '"INC: hybrid checkpoint: found %d FP8 layers (F8_E4M3, %dx%d block "'
+
+
+@pytest.mark.parametrize("version", INC_VERSIONS)
+def test_there_is_a_series_with_the_inc_patch(version):
+    assert (PATCHES / f"vllm-{version}" / "series").is_file()
+    assert "0001-inc-hybrid-fp8.patch" in series(PATCHES / f"vllm-{version}")
     assert (PATCHES / "README.md").is_file()
+    assert f"| {version} |" in (PATCHES / "README.md").read_text()
 
 
 @pytest.mark.parametrize("directory", VERSION_DIRS, ids=[d.name for d in VERSION_DIRS])
@@ -103,8 +109,9 @@ def test_patch_is_a_well_formed_unified_diff(patch):
     assert "\r" not in text
 
 
-def test_inc_patch_targets_inc_py_and_says_what_it_does():
-    patch = PATCHES / "vllm-0.19.1" / "0001-inc-hybrid-fp8.patch"
+@pytest.mark.parametrize("version", INC_VERSIONS)
+def test_inc_patch_targets_inc_py_and_says_what_it_does(version):
+    patch = PATCHES / f"vllm-{version}" / "0001-inc-hybrid-fp8.patch"
     text = patch.read_text()
     files = parse_unified_diff(text)
     assert [f["new"] for f in files] == ["b/vllm/model_executor/layers/quantization/inc.py"]
@@ -114,6 +121,15 @@ def test_inc_patch_targets_inc_py_and_says_what_it_does():
     for needle in ("def maybe_update_config", "weight_scale_inv", "F8_E4M3", "Fp8Config",
                    'activation_scheme="dynamic"', "weight_block_size", "logger.info"):
         assert needle in added, needle
+    # the GPU end-to-end script greps "found (\\d+) FP8 layers": same log text in every version
+    assert LOG_FORMAT in added
+
+
+def test_inc_patch_0_20_0_takes_the_hf_config_keyword():
+    """vLLM 0.20.0 calls quant_config.maybe_update_config(model, hf_config=...)."""
+    added = "\n".join(ln for ln in (PATCHES / "vllm-0.20.0" / "0001-inc-hybrid-fp8.patch")
+                      .read_text().splitlines() if ln.startswith("+"))
+    assert 'hf_config: "PretrainedConfig | None" = None' in added
 
 
 @pytest.mark.parametrize("bad", [
