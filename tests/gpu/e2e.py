@@ -129,8 +129,13 @@ def build_models(work: Path) -> dict:
     return out
 
 
-def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list[str]]:
-    """A copy of the installed vllm package with our series applied (the original is untouched)."""
+def patched_vllm(work: Path, stock_site: Path, version: str,
+                 prepatched: Path | None = None) -> tuple[Path, list[str]]:
+    """A copy of the installed vllm package with our series applied (the original is untouched).
+
+    Without ``patch`` or ``git`` on the host, ``prepatched`` (a directory holding the series
+    applied elsewhere to the same release's files, e.g. by ``patch -p1``) replaces the patched
+    files, after checking that the originals it was made from are the installed ones."""
     series_dir = ROOT / "patches" / f"vllm-{version}"
     names = [ln.strip() for ln in (series_dir / "series").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
@@ -142,6 +147,8 @@ def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list
         diff = (series_dir / name).read_text()
         if shutil.which("patch"):
             r = run(["patch", "-p1", "-d", str(dest), "--forward", "--batch"], input=diff)
+        elif prepatched is not None:
+            r = _copy_prepatched(prepatched, stock_site, dest)
         elif shutil.which("git"):
             r = run(["git", "apply", "--unsafe-paths", f"--directory={dest.relative_to(dest.anchor)}", "-"],
                     input=diff, cwd=dest.anchor)
@@ -150,6 +157,19 @@ def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list
         if r.returncode:
             raise SystemExit(f"patch {name} does not apply to vLLM {version}: {r.stdout}{r.stderr}")
     return dest, names
+
+
+def _copy_prepatched(prepatched: Path, stock_site: Path, dest: Path) -> subprocess.CompletedProcess:
+    """prepatched/MANIFEST.json: {relative path: sha256 of the pristine file}; the files beside it."""
+    import hashlib
+
+    manifest = json.loads((prepatched / "MANIFEST.json").read_text())
+    for rel, pristine_sha in manifest.items():
+        if hashlib.sha256((stock_site / rel).read_bytes()).hexdigest() != pristine_sha:
+            why = f"{rel}: the installed file differs from the one patched"
+            return subprocess.CompletedProcess([], 1, "", why)
+        shutil.copyfile(prepatched / rel, dest / rel)
+    return subprocess.CompletedProcess([], 0, "", "")
 
 
 # ------------------------------------------------------------------ servers
@@ -318,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 540)")
     ap.add_argument("--start-timeout", type=float, default=360,
                     help="seconds to wait for the servers to come up (default 360)")
+    ap.add_argument("--prepatched", type=Path, default=None,
+                    help="series applied elsewhere, for hosts without patch and git (default: none)")
     ap.add_argument("--bench-max-tokens", type=int, default=128, help="bench.py --max-tokens (default 128)")
     a = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -348,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     models = build_models(a.work)
     summary["pipeline"] = {k: models[k] for k in ("merge", "verify", "recipe_dropped_from_index")}
     log(f"pipeline: merge {models['merge']}, verify ok={models['verify']['ok']}")
-    patched, applied = patched_vllm(a.work, Path(host["site"]), host["vllm"])
+    patched, applied = patched_vllm(a.work, Path(host["site"]), host["vllm"], a.prepatched)
     summary["patches_applied"] = applied
     stock_pp = os.pathsep.join([host["site"], os.environ.get("PYTHONPATH", "")])
     patched_pp = os.pathsep.join([str(patched), stock_pp])
