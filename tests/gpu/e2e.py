@@ -73,6 +73,11 @@ HOST_SETTINGS = {
                               "--moe-backend", "triton", "--enforce-eager",
                               "--kv-cache-memory-bytes", str(1 << 30)],
 }
+# Environment the host needs: vLLM 0.20.0's first choices for block-FP8 GEMMs are FlashInfer's and
+# DeepGEMM's JIT-built kernels (nvcc at the first request; seen failing here), so they are
+# disabled and vLLM falls back to its compiled CUTLASS block-FP8 kernel.
+HOST_ENV = {"VLLM_DISABLED_KERNELS": ",".join(["FlashInferFp8DeepGEMMDynamicBlockScaledKernel",
+                                               "DeepGemmFp8BlockScaledMMKernel"])}
 TEST_OVERRIDES = {"vllm_served_model_name": "tiny", "vllm_max_model_len": 2048,
                   "vllm_gpu_memory_utilization": 0.08}
 LOGPROB_TOL = 0.05
@@ -179,7 +184,7 @@ class Server:
         settings = dict(SETTING_DEFAULTS, spec_method=method, vllm_model_path=model, vllm_port=port,
                         **TEST_OVERRIDES, **HOST_SETTINGS)
         self.argv = spark_serve_argv(settings, load_catalogue())
-        self.env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1",
+        self.env = dict(os.environ, **HOST_ENV, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1",
                         VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
         self.log_path = logs / f"vllm-{label}.log"
         self.proc: subprocess.Popen | None = None
@@ -245,7 +250,7 @@ def load_catalogue() -> dict:
     return _CATALOGUE
 
 
-def post(url: str, body: dict, timeout: float = 60) -> dict:
+def post(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
@@ -398,10 +403,18 @@ def main(argv: list[str] | None = None) -> int:
                               "argv": s.argv} for k, s in servers.items()}
     log(f"server states: { {k: (v, servers[k].healthy_after) for k, v in states.items()} }")
     try:
-        results = {k: probe(s) for k, s in servers.items() if states[k] == "up"}
-        for k, r in results.items():
-            (a.out / f"probe-{k}.json").write_text(json.dumps(r, indent=1))
-        up = [k for k, v in states.items() if v == "up"]
+        results, probe_errors = {}, {}
+        for k, s in servers.items():
+            if states[k] != "up":
+                continue
+            try:
+                results[k] = probe(s)
+                (a.out / f"probe-{k}.json").write_text(json.dumps(results[k], indent=1))
+            except (OSError, ValueError, KeyError) as e:
+                probe_errors[k] = f"{type(e).__name__}: {e}"
+                log(f"{k}: completions failed: {probe_errors[k]}")
+        summary["probe_errors"] = probe_errors
+        up = [k for k in results]
         for k in ("int4-ref", "hybrid-base", "hybrid-mtp", "hybrid-ngram", "stock-hybrid"):
             brief = {x: summary["servers"][k][x] for x in ("state", "ready_s", "exit_code")}
             check(f"{k} serves", k in up, brief)
@@ -412,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("hybrid-base", "hybrid-mtp", "hybrid-ngram"):
             check(f"{k}: no FP8 scale skipped", not SKIP_LINE.search(text[k]),
                   len(SKIP_LINE.findall(text[k])))
+        for k in ("int4-ref", "hybrid-base"):
+            check(f"{k}: routed experts on the INT4 (Marlin WNA16) MoE path",
+                  bool(re.search(r"Using 'MARLIN' WNA16 MoE backend", text[k])),
+                  re.findall(r"Using '?\w+'? WNA16 MoE backend", text[k])[:2])
+        fp8_kernel = re.findall(r"Selected (\w+) for Fp8LinearMethod", text["hybrid-base"])
+        check("patched: shared experts on vLLM's FP8 linear method", bool(fp8_kernel), fp8_kernel[:2])
         stock_skips = len(SKIP_LINE.findall(text["stock-hybrid"]))
         check("stock: skips the FP8 scales (the bug)", stock_skips > 0, stock_skips)
         summary["kernel_lines"] = {k: sorted({m.strip()[:160] for m in re.findall(
@@ -443,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["recipe_without_mtp_index_patch"] = {
             "state": states["recipe-mtp"], "exit_code": rec.exit_code,
             "error": [ln[:300] for ln in text["recipe-mtp"].splitlines()
-                      if re.search(r"Error|error:|missing|not found", ln)][-4:]}
+                      if re.search(r"Error|error:|missing|not found", ln)][-4:],
+            "mtp_lines": [ln[:200] for ln in text["recipe-mtp"].splitlines()
+                          if re.search(r"(?i)mtp|draft|speculat", ln)][:6]}
         check("recipe variant (no MTP index patch) outcome recorded", True,
               summary["recipe_without_mtp_index_patch"])
 
