@@ -67,7 +67,7 @@ def test_interleaved_and_best(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert last.extravars["spec_num_speculative_tokens"] == 2
     out = capsys.readouterr().out
     assert "best configuration: mtp-k2" in out
-    assert (tmp_path / "res" / "report.md").exists()
+    assert (tmp_path / "res" / "report" / "report.md").exists()
 
 
 def test_resume_skips_recorded_cells(tmp_path: Path) -> None:
