@@ -1308,6 +1308,29 @@ class RunRow:
     decode: list[float]
     by_cat: dict[str, list[float]]
 
+    @property
+    def config_hash(self) -> str | None:
+        h = self.doc.get("meta", {}).get("config_hash")
+        return str(h) if h else None
+
+    @property
+    def context(self) -> str:
+        """What a comparison must hold equal: load, token budget, sampling, model, prompts, topology."""
+        m = self.doc.get("meta", {})
+        s = m.get("sampling") or {}
+        p = m.get("prompts") or {}
+        ctx = {"concurrency": m.get("concurrency"), "max_tokens": s.get("max_tokens"),
+               "temperature": s.get("temperature"), "thinking": s.get("thinking"), "model": m.get("model"),
+               "prompts": p.get("sha256"), "categories": p.get("category_filter"),
+               "topology": m.get("topology")}
+        return json.dumps(ctx, sort_keys=True, default=str)
+
+    @property
+    def group_key(self) -> tuple[str, str | None, str, str | None]:
+        """Runs pooled as one row: same label, configuration hash, context and server image."""
+        image = self.doc.get("meta", {}).get("image")
+        return self.label, self.config_hash, self.context, str(image) if image else None
+
 
 def load_runs(store_dir: Path) -> list[RunRow]:
     if not (store_dir / STORE_NAME).exists():
@@ -1374,7 +1397,7 @@ def geo_speedup(pairs: list[tuple[float, float]]) -> dict[str, Any]:
 
 @dataclass
 class MethodStats:
-    label: str
+    label: str  # the row's name: the run label, with the configuration hash when the label is ambiguous
     runs: list[RunRow]
     decode: dict[str, Any]
     run_medians: dict[str, Any]
@@ -1383,6 +1406,10 @@ class MethodStats:
     acc_len: float | None
     per_position: list[float] | None
     by_cat: dict[str, float | None]
+    base_label: str = ""  # the run label itself
+    config_hash: str | None = None
+    context: str = ""
+    baseline_row: str | None = None  # name of the row this one was paired with
 
 
 def _mean_opt(xs: Iterable[float | None]) -> float | None:
@@ -1398,27 +1425,53 @@ def _mean_positions(lists: list[list[float] | None]) -> list[float] | None:
     return [statistics.fmean([x[i] for x in good if len(x) > i]) for i in range(n)]
 
 
+def _row_names(keys: list[tuple[str, str | None, str, str | None]]) -> dict[tuple, str]:
+    """The label alone when it names one group; else the label with what tells its groups apart."""
+    by_label: dict[str, list[tuple]] = {}
+    for k in keys:
+        by_label.setdefault(k[0], []).append(k)
+    names: dict[tuple, str] = {}
+    for label, ks in by_label.items():
+        if len(ks) == 1:
+            names[ks[0]] = label
+            continue
+        for n, k in enumerate(ks, 1):
+            names[k] = f"{label} [{k[1][:12]}]" if k[1] and sum(x[1] == k[1] for x in ks) == 1 else (
+                f"{label} [config {n}]")
+    return names
+
+
 def method_table(runs: list[RunRow], baseline: str) -> list[MethodStats]:
+    """One row per (label, configuration hash, context, image): runs measured under a different load,
+    token budget, model or image are never pooled, and a row is compared only with a baseline row
+    measured in the same context."""
     valid = [r for r in runs if r.valid]
-    labels: dict[str, list[RunRow]] = {}
+    groups: dict[tuple, list[RunRow]] = {}
     for r in valid:
-        labels.setdefault(r.label, []).append(r)
-    base = labels.get(baseline, [])
+        groups.setdefault(r.group_key, []).append(r)
+    names = _row_names(list(groups))
+    base_groups = {k: rs for k, rs in groups.items() if k[0] == baseline}
     out = []
-    for label, rs in labels.items():
-        pairs = [(m.median, b.median) for m, b in pair_runs(rs, base)] if base else []
+    for key, rs in groups.items():
+        same_ctx = [k for k in base_groups if k[2] == key[2]]
+        bkey = key if key[0] == baseline else (
+            max(same_ctx, key=lambda k: len(base_groups[k])) if same_ctx else None)
+        base = base_groups[bkey] if bkey is not None else []
+        pairs = [(m.median, b.median) for m, b in pair_runs(rs, base)] if base and bkey != key else []
         cats: dict[str, list[float]] = {}
         for r in rs:
             for c, xs in r.by_cat.items():
                 cats.setdefault(c, []).extend(xs)
         out.append(MethodStats(
-            label=label, runs=rs, decode=describe(x for r in rs for x in r.decode),
+            label=names[key], runs=rs, decode=describe(x for r in rs for x in r.decode),
             run_medians=describe(r.median for r in rs), speedup=geo_speedup(pairs),
             ttft_median=_mean_opt(r.doc["summary"]["ttft_s"]["median"] for r in rs),
             acc_len=_mean_opt(r.doc["spec"].get("mean_acceptance_length") for r in rs),
             per_position=_mean_positions([r.doc["spec"].get("per_position") for r in rs]),
-            by_cat={c: statistics.median(xs) if xs else None for c, xs in cats.items()}))
-    out.sort(key=lambda m: (m.label != baseline, -(m.decode["median"] or 0)))
+            by_cat={c: statistics.median(xs) if xs else None for c, xs in cats.items()},
+            base_label=key[0], config_hash=key[1], context=key[2],
+            baseline_row=names[bkey] if bkey is not None else None))
+    out.sort(key=lambda m: (m.base_label != baseline, -(m.decode["median"] or 0)))
     return out
 
 
@@ -1436,7 +1489,9 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in stats:
         d, rm, sp = m.decode, m.run_medians, m.speedup
-        speed = "1 (reference)" if m.label == baseline else "-" if sp["gmean"] is None else (
+        speed = "1 (reference)" if m.base_label == baseline else (
+            "- (no baseline run in the same context)" if m.baseline_row is None else "-"
+        ) if sp["gmean"] is None else (
             f"{sp['gmean']:.3f}x"
             + (f" [{sp['ci95_low']:.3f}-{sp['ci95_high']:.3f}]" if sp["ci95_low"] else "")
             + f" (n={sp['pairs']})")
@@ -1447,7 +1502,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
                      f"{_fmt(d['p95'])} | {ci} | {_fmt(rm['cv'], 3)} | {_fmt(d['p95'])} / {_fmt(d['max'])} "
                      f"| {speed} | {_fmt(m.ttft_median, 3)} | {_fmt(m.acc_len)} | {pp} |")
     cats = sorted({c for m in stats for c in m.by_cat})
-    base = next((m for m in stats if m.label == baseline), None)
+    rows = {m.label: m for m in stats}
     if cats:
         lines += ["", "## Per category (median decode tok/s; ratio = category median / baseline category "
                   "median)", "", "| category | " + " | ".join(m.label for m in stats) + " |",
@@ -1456,10 +1511,17 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
             cells = []
             for m in stats:
                 v = m.by_cat.get(c)
+                base = rows.get(m.baseline_row) if m.baseline_row else None
                 b = base.by_cat.get(c) if base else None
                 ratio = f" ({v / b:.2f}x)" if v and b and m is not base else ""
                 cells.append(f"{_fmt(v)}{ratio}")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if len({m.context for m in stats}) > 1 or len(rows) != len({m.base_label for m in stats}):
+        lines += ["", "## Configurations (rows are never pooled across these; speedups compare a row with "
+                  "the baseline row of the same context)", "",
+                  "| row | configuration hash | compared with | context |", "|---|---|---|---|"]
+        lines += [f"| {m.label} | {m.config_hash or '-'} | {m.baseline_row or '-'} | `{m.context}` |"
+                  for m in stats]
     lines += ["", "## Invalid runs (excluded from the comparison)", ""]
     if invalid:
         lines += ["| run | label | problems |", "|---|---|---|"]
@@ -1505,12 +1567,13 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
     fig.savefig(out / "acceptance_by_position.png", dpi=100)
     plt.close(fig)
     names.append("acceptance_by_position.png")
-    base = next((m for m in stats if m.label == baseline), None)
+    rows = {m.label: m for m in stats}
     cats = sorted({c for m in stats for c in m.by_cat})
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(cats) + 2), 4))
-    others = [m for m in stats if m is not base]
+    others = [m for m in stats if m.base_label != baseline]
     width = 0.8 / max(1, len(others))
     for j, m in enumerate(others):
+        base = rows.get(m.baseline_row) if m.baseline_row else None
         ys = [(m.by_cat.get(c) or 0) / b if base and (b := base.by_cat.get(c)) else 0 for c in cats]
         ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m.label)
     ax.axhline(1.0, color="grey", lw=1)
