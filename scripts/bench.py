@@ -75,6 +75,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sparkllm.cli import HelpFormatter
+
 SCRIPTS_DIR = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = SCRIPTS_DIR / "prompts" / "prompts.jsonl"
 SPECBENCH_MANIFEST = SCRIPTS_DIR / "prompts" / "specbench.json"
@@ -97,14 +99,6 @@ class WorkFailed(Exception):
     """The work was attempted and failed (exit 1); the message says why."""
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's layout and names every option's default (unless the help does)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "default" in text or action.default is None or action.default is argparse.SUPPRESS:
-            return text
-        return super()._get_help_string(action)
 
 # --------------------------------------------------------------------------------------------
 # prompts

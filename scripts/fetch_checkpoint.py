@@ -67,6 +67,7 @@ from sparkllm.checkpoint import (
     read_manifest,
     scale_name,
 )
+from sparkllm.cli import HelpFormatter
 from sparkllm.outdir import OutputRefused, check_output_dir, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
@@ -531,7 +532,7 @@ def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:
             f"{src}: --src is not a directory; pass the mirror directory (holding {MANIFEST_NAME})"
         )
     try:
-        check_output_dir(dest, TOOL, inputs=(("--src", src),), legacy=LEGACY_MARKS)
+        check_output_dir(dest, TOOL, inputs=(("--src", src),), flag="--dest", legacy=LEGACY_MARKS)
     except OutputRefused as exc:
         raise UsageError(str(exc)) from None
     manifest_path = src / MANIFEST_NAME
@@ -585,12 +586,12 @@ def write_manifest(directory: Path, with_sha256: bool) -> dict[str, object]:
 # ------------------------------------------------------------------ CLI
 
 
-def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fetch_checkpoint.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -608,7 +609,7 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
         ("hub", "download repo files via huggingface_hub"),
         ("full", "whole FP8 checkpoint"),
     ):
-        sp = sub.add_parser(name, help=helptext)
+        sp = sub.add_parser(name, help=helptext, formatter_class=HelpFormatter)
         remote_args(sp)
         sp.add_argument("--dest", required=True, type=Path, help="destination directory")
         sp.add_argument(
@@ -618,21 +619,35 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
             metavar="GLOB",
             help="only files matching these globs (default: every file; `full`: *.safetensors *.json)",
         )
-    sp = sub.add_parser("fp8-extract", help="range-fetch the FP8 shared-expert tensors into one small file")
+    sp = sub.add_parser(
+        "fp8-extract",
+        help="range-fetch the FP8 shared-expert tensors into one small file",
+        formatter_class=HelpFormatter,
+    )
     remote_args(sp)
     sp.add_argument("--dest", required=True, type=Path, help="destination safetensors FILE")
     sp.add_argument(
-        "--pattern", default="shared_expert", help="regex on tensor names (default shared_expert)"
+        "--pattern", default="shared_expert", help="regex on tensor names"
     )
-    sp = sub.add_parser("mirror", help="copy from a mirror directory verified against its manifest")
+    sp = sub.add_parser(
+        "mirror",
+        help="copy from a mirror directory verified against its manifest",
+        formatter_class=HelpFormatter,
+    )
     sp.add_argument("--src", required=True, type=Path, help="mirror directory holding sparkllm-manifest.json")
     sp.add_argument("--dest", required=True, type=Path, help="destination directory")
-    sp = sub.add_parser("manifest", help="write sparkllm-manifest.json for a directory")
+    sp = sub.add_parser(
+        "manifest", help="write sparkllm-manifest.json for a directory", formatter_class=HelpFormatter
+    )
     sp.add_argument("dir", type=Path, help="checkpoint directory to describe")
     sp.add_argument(
         "--no-sha256", action="store_true", help="sizes only (fast, weaker; default: with sha256)"
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def run(a: argparse.Namespace) -> dict[str, object]:

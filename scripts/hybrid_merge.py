@@ -57,6 +57,7 @@ from sparkllm.checkpoint import (
     plan_merge,
     read_source_record,
 )
+from sparkllm.cli import HelpFormatter
 from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
@@ -88,12 +89,12 @@ class MergeResult:
     timings: dict[str, float] = field(default_factory=dict)  # plan / copy / fsync phases
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hybrid_merge.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--int4", required=True, type=Path, help="INT4 AutoRound checkpoint directory")
     p.add_argument("--fp8", required=True, type=Path, help="FP8 checkpoint directory (full or fp8-extract)")
@@ -105,7 +106,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def remove_stale_temps(out: Path) -> list[Path]:

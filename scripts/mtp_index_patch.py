@@ -26,27 +26,30 @@ import sys
 from pathlib import Path
 
 from sparkllm.checkpoint import EXTRA_FILE, CheckpointError, apply_mtp_patch, plan_mtp_patch
+from sparkllm.cli import HelpFormatter
 from sparkllm.outdir import OutputRefused
 from sparkllm.safetensors_io import SafetensorsError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtp_index_patch.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--source", required=True, type=Path, help=f"INT4 checkpoint directory holding {EXTRA_FILE}"
     )
     p.add_argument("--target", required=True, type=Path, help="model directory whose index is patched")
-    p.add_argument("--extra-file", default=EXTRA_FILE, help=f"MTP file name (default {EXTRA_FILE})")
-    p.add_argument(
-        "--check", action="store_true", help="report what would change, write nothing (default: off)"
-    )
-    p.add_argument("--json", action="store_true", help="print the result as JSON (default: plain text)")
-    a = p.parse_args(argv)
+    p.add_argument("--extra-file", default=EXTRA_FILE, help="MTP file name")
+    p.add_argument("--check", action="store_true", help="report what would change, write nothing")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         if a.check:
             result, _ = plan_mtp_patch(a.source, a.target, a.extra_file)

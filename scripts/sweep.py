@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import bench
+from sparkllm.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETTINGS_DIR = REPO_ROOT / "group_vars" / "all"
@@ -370,7 +371,7 @@ def _ints(s: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sweep.py", description=__doc__,
-                                formatter_class=bench.HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--methods", default=None,
                    help="comma-separated methods (default: the catalogue's methods whose requirements "
                         "are met; the others are named with the reason)")
