@@ -422,7 +422,7 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
         raise UsageError("--extra-vars must be a JSON object, e.g. '{\"bench_repeats\": 2}'")
     if a.repeats < 1:
         raise UsageError("--repeats must be >= 1")
-    if a.inventory and not Path(a.inventory).exists():
+    if a.inventory and "," not in a.inventory and not Path(a.inventory).exists():  # "host1,host2," is a list
         raise UsageError(f"--inventory {a.inventory}: no such file; pass your inventory "
                          "(e.g. a copy of inventory/examples/remote-spark.yml)")
     settings = {**load_settings(), **extra}
