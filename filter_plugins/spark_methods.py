@@ -3,9 +3,9 @@
 Pure Python (standard library only); Ansible only needs the ``FilterModule`` at the bottom.
 
 ``settings`` is a mapping of the user knobs by their variable names (defaults in
-``inventory/group_vars/all/main.yml``; a key that is missing takes the same default, see
+``group_vars/all/main.yml``; a key that is missing takes the same default, see
 ``SETTING_DEFAULTS``).  ``catalogue`` is ``spark_method_catalogue`` from
-``inventory/group_vars/all/methods.yml``.
+``group_vars/all/methods.yml``.
 
 A few settings are not user knobs in main.yml; roles add them when they apply:
 
@@ -175,7 +175,7 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
         return [f"settings must be a mapping of knob names to values, got {type(settings).__name__}"]
     if not isinstance(catalogue, Mapping) or not catalogue:
         return ["spark_method_catalogue is missing or empty; it is defined in "
-                "inventory/group_vars/all/methods.yml"]
+                "group_vars/all/methods.yml"]
 
     method = _get(settings, "spec_method")
     entry = _entry(catalogue, method)

@@ -15,6 +15,9 @@ description:
     C(metadata.total_size) from the headers of the listed files and rewrites the index atomically.
   - Idempotent; supports check mode and diff mode (weight_map entry count and total_size).
   - Uses the same logic as C(scripts/mtp_index_patch.py).
+  - O(target) must be a directory made by this toolkit (a C(hybrid_merge.py) output, a fetched copy) other
+    than O(source); a directory someone else made is refused, before anything is written, when the patch
+    would change it.
 version_added: "0.1.0"
 options:
   source:
@@ -43,12 +46,6 @@ EXAMPLES = r"""
   mtp_index_patch:
     source: /models/int4
     target: /models/hybrid
-
-- name: Repair a plain INT4 checkpoint whose index lacks the MTP names
-  mtp_index_patch:
-    source: /models/int4
-    target: /models/int4
-    extra_file: model_extra_tensors.safetensors
 """
 
 RETURN = r"""
@@ -96,6 +93,7 @@ from ansible.module_utils.sparkllm.checkpoint import (  # noqa: E402
     apply_mtp_patch,
     plan_mtp_patch,
 )
+from ansible.module_utils.sparkllm.outdir import OutputRefused  # noqa: E402
 from ansible.module_utils.sparkllm.safetensors_io import SafetensorsError  # noqa: E402
 
 
@@ -116,7 +114,7 @@ def main() -> None:
             result, _ = plan_mtp_patch(source, target, extra)
         else:
             result = apply_mtp_patch(source, target, extra)
-    except (CheckpointError, SafetensorsError, OSError) as exc:
+    except (CheckpointError, SafetensorsError, OutputRefused, OSError) as exc:
         module.fail_json(msg=str(exc))
     out = result.as_dict()
     if module._diff and result.changed:

@@ -9,6 +9,11 @@ Subcommands
 ``report``        (controller; matplotlib imported lazily) Markdown report + PNG charts.
 ``fetch-prompts`` download Spec-Bench ``question.jsonl`` (pinned commit + sha256) and convert it.
 
+Exit codes: 0 success; 1 the work failed (``run``: nothing answers at ``--base-url``, or the run is
+invalid: it is still written and stored, marked invalid, and one line on stderr says why, also with
+``--quiet``; ``lookup``: no such run); 2 usage error (bad option values, a malformed ``--base-url``,
+missing files named on the command line, an output the tool may not write).
+
 Metric definitions follow docs "Measuring speculative decoding honestly": per request, t0 is the
 send time and t_1..t_m the arrival times (monotonic clock) of the chunks that carried tokens (with
 ``continuous_usage_stats``: chunks whose cumulative ``completion_tokens`` grew; otherwise chunks
@@ -70,13 +75,30 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sparkllm.cli import HelpFormatter
+
 SCRIPTS_DIR = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = SCRIPTS_DIR / "prompts" / "prompts.jsonl"
 SPECBENCH_MANIFEST = SCRIPTS_DIR / "prompts" / "specbench.json"
 STORE_NAME = "results.sqlite"
+REPORT_DIRNAME = "report"  # the report's directory inside the store: DIR/report/report.md
+REPORT_TOOL = "bench.py report"
+CHART_FILES = ("decode_tok_s.png", "acceptance_by_position.png", "speedup_by_category.png")
+NO_MATPLOTLIB = ("Charts need matplotlib, which this Python lacks: run `bench.py report` with the toolkit's "
+                 "venv (`make setup`, then `.venv/bin/python scripts/bench.py report DIR`).")
 SCHEMA_VERSION = 1
 TOKEN_MISMATCH_TOLERANCE = 0.01
 UNPINNED = "TO-BE-FILLED"
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit 2); the message names the problem and the fix."""
+
+
+class WorkFailed(Exception):
+    """The work was attempted and failed (exit 1); the message says why."""
+
+
 
 # --------------------------------------------------------------------------------------------
 # prompts
@@ -92,7 +114,7 @@ class Prompt:
 def load_prompts(path: Path, category: str | None = None) -> tuple[list[Prompt], str]:
     """Read a JSONL prompt set; return (prompts, sha256 of the file bytes)."""
     if not path.is_file():
-        raise SystemExit(f"prompt file {path} not found: pass --prompts FILE (JSONL with id, category, "
+        raise UsageError(f"prompt file {path} not found: pass --prompts FILE (JSONL with id, category, "
                          "messages) or run fetch-prompts first")
     raw = path.read_bytes()
     prompts: list[Prompt] = []
@@ -1008,7 +1030,7 @@ def import_runs(paths: Sequence[Path], store_dir: Path) -> tuple[int, int]:
         elif p.is_file():
             files.append(p)
         else:
-            raise SystemExit(f"import: {p} does not exist")
+            raise UsageError(f"{p} does not exist; pass run JSON files or directories holding them")
     conn = open_store(store_dir)
     added = skipped = 0
     try:
@@ -1072,26 +1094,78 @@ def _read_meta(arg: str | None) -> dict[str, Any]:
     if not arg.lstrip().startswith("{"):
         p = Path(arg)
         if not p.is_file():
-            raise SystemExit(f"--meta-json: {arg} is neither a JSON object nor a file")
+            raise UsageError(f"--meta-json: {arg} is neither a JSON object nor a file")
         text = p.read_text(encoding="utf-8")
     try:
         obj = json.loads(text)
     except ValueError as exc:
-        raise SystemExit(f"--meta-json: invalid JSON ({exc})") from exc
+        raise UsageError(f"--meta-json: invalid JSON ({exc})") from None
     if not isinstance(obj, dict):
-        raise SystemExit("--meta-json must be a JSON object")
+        raise UsageError("--meta-json must be a JSON object")
     return obj
 
 
+def check_base_url(url: str) -> str:
+    """The URL without a trailing slash; UsageError unless it is http(s)://HOST[:PORT][/PATH]."""
+    fix = "pass --base-url like http://127.0.0.1:8000"
+    u = urllib.parse.urlsplit(url.strip())
+    if u.scheme not in ("http", "https"):
+        raise UsageError(f"--base-url {url!r}: scheme must be http or https; {fix}")
+    if not u.hostname:
+        raise UsageError(f"--base-url {url!r}: no host; {fix}")
+    try:
+        port = u.port
+    except ValueError:
+        raise UsageError(f"--base-url {url!r}: the port is not a number in 1..65535; {fix}") from None
+    if port == 0:
+        raise UsageError(f"--base-url {url!r}: port 0 is not a server port; {fix}")
+    if u.query or u.fragment or u.username or u.password:
+        raise UsageError(f"--base-url {url!r}: no query, fragment or credentials (use --api-key-file); {fix}")
+    return url.strip().rstrip("/")
+
+
+def check_reachable(ep: Endpoint, timeout: float = 10.0) -> None:
+    """WorkFailed unless a server answers GET /v1/models at the base URL."""
+    try:
+        status, _ = ep.get("/v1/models", timeout=timeout)
+    except (OSError, http.client.HTTPException) as exc:
+        raise WorkFailed(f"nothing answers at {ep.base_url} ({exc}); start the server (make deploy, "
+                         "ansible-playbook site.yml --tags serve) or fix --base-url") from None
+    if status in (401, 403):
+        raise WorkFailed(f"{ep.base_url} refused the request (HTTP {status}): pass --api-key-file with "
+                         "the server's API key")
+    if status >= 400:
+        raise WorkFailed(f"{ep.base_url}/v1/models answered HTTP {status}: is this an OpenAI-compatible "
+                         "server (vLLM)? fix --base-url")
+
+
+def read_api_key(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise UsageError(f"--api-key-file {path}: cannot read it ({exc.strerror}); pass a readable file "
+                         "holding the API key") from None
+    if not key:
+        raise UsageError(f"--api-key-file {path}: the file is empty; put the API key in it")
+    return key
+
+
 def cmd_run(a: argparse.Namespace) -> int:
-    api_key = None
-    if a.api_key_file:
-        api_key = Path(a.api_key_file).read_text(encoding="utf-8").strip() or None
     if a.concurrency < 1 or a.repeats < 1 or a.warmup < 0 or a.max_tokens < 2:
-        raise SystemExit("need --concurrency >= 1, --repeats >= 1, --warmup >= 0, --max-tokens >= 2")
-    opts = RunOptions(base_url=a.base_url, model=a.model, label=a.label, out=Path(a.out),
+        raise UsageError("need --concurrency >= 1, --repeats >= 1, --warmup >= 0, --max-tokens >= 2")
+    base_url = check_base_url(a.base_url)
+    api_key = read_api_key(a.api_key_file)
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory; pass a results directory")
+    load_prompts(Path(a.prompts), a.category)  # bad or missing prompts: a usage error, before any request
+    meta = _read_meta(a.meta_json)
+    check_reachable(Endpoint(base_url, api_key))
+    opts = RunOptions(base_url=base_url, model=a.model, label=a.label, out=out,
                       prompts=Path(a.prompts), category=a.category, repeats=a.repeats, warmup=a.warmup,
-                      concurrency=a.concurrency, api_key=api_key, meta=_read_meta(a.meta_json),
+                      concurrency=a.concurrency, api_key=api_key, meta=meta,
                       sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking),
                       progress=not a.quiet)
     doc = execute_run(opts)
@@ -1104,6 +1178,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         conn.close()
     print_summary(doc)
     print(f"wrote {path}")
+    if not doc["valid"]:
+        print(f"bench.py run: error: run {doc['run_id']} is invalid: {'; '.join(doc['problems'])} "
+              "(written and stored, marked invalid)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -1191,6 +1269,11 @@ def fetch_prompts(manifest: dict[str, Any], dest: Path, url: str | None = None, 
                              "(wrong commit or tampered download)")
         if not pinned:
             print(f"WARNING: unpinned download, sha256 {got}: pin it in specbench.json", file=sys.stderr)
+        lines = manifest.get("lines")
+        if pinned and sha256 is None and isinstance(lines, int):
+            n = sum(1 for line in tmp.read_text(encoding="utf-8").splitlines() if line.strip())
+            if n != lines:
+                raise SystemExit(f"{url}: {n} questions, the pinned file has {lines}; refusing to use it")
         return convert_specbench(tmp, dest)
     finally:
         with contextlib.suppress(OSError):
@@ -1199,8 +1282,15 @@ def fetch_prompts(manifest: dict[str, Any], dest: Path, url: str | None = None, 
 
 def cmd_fetch_prompts(a: argparse.Namespace) -> int:
     if a.source != "specbench":
-        raise SystemExit(f"unknown prompt source {a.source!r}: only 'specbench'")
-    manifest = json.loads(Path(a.manifest).read_text(encoding="utf-8"))
+        raise UsageError(f"unknown prompt source {a.source!r}: only 'specbench'")
+    if Path(a.dest).is_dir():
+        raise UsageError(f"--dest {a.dest}: is a directory; name the JSONL file to write")
+    try:
+        manifest = json.loads(Path(a.manifest).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"--manifest {a.manifest}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise UsageError(f"--manifest {a.manifest}: invalid JSON ({exc})") from None
     n = fetch_prompts(manifest, Path(a.dest), a.url, a.sha256, a.allow_unpinned)
     print(f"wrote {n} prompts to {a.dest}")
     return 0
@@ -1222,6 +1312,29 @@ class RunRow:
     doc: dict[str, Any]
     decode: list[float]
     by_cat: dict[str, list[float]]
+
+    @property
+    def config_hash(self) -> str | None:
+        h = self.doc.get("meta", {}).get("config_hash")
+        return str(h) if h else None
+
+    @property
+    def context(self) -> str:
+        """What a comparison must hold equal: load, token budget, sampling, model, prompts, topology."""
+        m = self.doc.get("meta", {})
+        s = m.get("sampling") or {}
+        p = m.get("prompts") or {}
+        ctx = {"concurrency": m.get("concurrency"), "max_tokens": s.get("max_tokens"),
+               "temperature": s.get("temperature"), "thinking": s.get("thinking"), "model": m.get("model"),
+               "prompts": p.get("sha256"), "categories": p.get("category_filter"),
+               "topology": m.get("topology")}
+        return json.dumps(ctx, sort_keys=True, default=str)
+
+    @property
+    def group_key(self) -> tuple[str, str | None, str, str | None]:
+        """Runs pooled as one row: same label, configuration hash, context and server image."""
+        image = self.doc.get("meta", {}).get("image")
+        return self.label, self.config_hash, self.context, str(image) if image else None
 
 
 def load_runs(store_dir: Path) -> list[RunRow]:
@@ -1289,7 +1402,7 @@ def geo_speedup(pairs: list[tuple[float, float]]) -> dict[str, Any]:
 
 @dataclass
 class MethodStats:
-    label: str
+    label: str  # the row's name: the run label, with the configuration hash when the label is ambiguous
     runs: list[RunRow]
     decode: dict[str, Any]
     run_medians: dict[str, Any]
@@ -1298,6 +1411,10 @@ class MethodStats:
     acc_len: float | None
     per_position: list[float] | None
     by_cat: dict[str, float | None]
+    base_label: str = ""  # the run label itself
+    config_hash: str | None = None
+    context: str = ""
+    baseline_row: str | None = None  # name of the row this one was paired with
 
 
 def _mean_opt(xs: Iterable[float | None]) -> float | None:
@@ -1313,31 +1430,58 @@ def _mean_positions(lists: list[list[float] | None]) -> list[float] | None:
     return [statistics.fmean([x[i] for x in good if len(x) > i]) for i in range(n)]
 
 
+def _row_names(keys: list[tuple[str, str | None, str, str | None]]) -> dict[tuple, str]:
+    """The label alone when it names one group; else the label with what tells its groups apart."""
+    by_label: dict[str, list[tuple]] = {}
+    for k in keys:
+        by_label.setdefault(k[0], []).append(k)
+    names: dict[tuple, str] = {}
+    for label, ks in by_label.items():
+        if len(ks) == 1:
+            names[ks[0]] = label
+            continue
+        for n, k in enumerate(ks, 1):
+            names[k] = f"{label} [{k[1][:12]}]" if k[1] and sum(x[1] == k[1] for x in ks) == 1 else (
+                f"{label} [config {n}]")
+    return names
+
+
 def method_table(runs: list[RunRow], baseline: str) -> list[MethodStats]:
+    """One row per (label, configuration hash, context, image): runs measured under a different load,
+    token budget, model or image are never pooled, and a row is compared only with a baseline row
+    measured in the same context."""
     valid = [r for r in runs if r.valid]
-    labels: dict[str, list[RunRow]] = {}
+    groups: dict[tuple, list[RunRow]] = {}
     for r in valid:
-        labels.setdefault(r.label, []).append(r)
-    base = labels.get(baseline, [])
+        groups.setdefault(r.group_key, []).append(r)
+    names = _row_names(list(groups))
+    base_groups = {k: rs for k, rs in groups.items() if k[0] == baseline}
     out = []
-    for label, rs in labels.items():
-        pairs = [(m.median, b.median) for m, b in pair_runs(rs, base)] if base else []
+    for key, rs in groups.items():
+        same_ctx = [k for k in base_groups if k[2] == key[2]]
+        bkey = key if key[0] == baseline else (
+            max(same_ctx, key=lambda k: len(base_groups[k])) if same_ctx else None)
+        base = base_groups[bkey] if bkey is not None else []
+        pairs = [(m.median, b.median) for m, b in pair_runs(rs, base)] if base and bkey != key else []
         cats: dict[str, list[float]] = {}
         for r in rs:
             for c, xs in r.by_cat.items():
                 cats.setdefault(c, []).extend(xs)
         out.append(MethodStats(
-            label=label, runs=rs, decode=describe(x for r in rs for x in r.decode),
+            label=names[key], runs=rs, decode=describe(x for r in rs for x in r.decode),
             run_medians=describe(r.median for r in rs), speedup=geo_speedup(pairs),
             ttft_median=_mean_opt(r.doc["summary"]["ttft_s"]["median"] for r in rs),
             acc_len=_mean_opt(r.doc["spec"].get("mean_acceptance_length") for r in rs),
             per_position=_mean_positions([r.doc["spec"].get("per_position") for r in rs]),
-            by_cat={c: statistics.median(xs) if xs else None for c, xs in cats.items()}))
-    out.sort(key=lambda m: (m.label != baseline, -(m.decode["median"] or 0)))
+            by_cat={c: statistics.median(xs) if xs else None for c, xs in cats.items()},
+            base_label=key[0], config_hash=key[1], context=key[2],
+            baseline_row=names[bkey] if bkey is not None else None))
+    out.sort(key=lambda m: (m.base_label != baseline, -(m.decode["median"] or 0)))
     return out
 
 
-def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: str, charts: list[str]) -> str:
+def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: str, charts: list[str],
+                    notes: Sequence[str] = ()) -> str:
     lines = ["# Speculative decoding benchmark report", "",
              f"Generated {utc_now()}. Decode tok/s is per request, (n-1)/decode time, pooled over the valid "
              "runs of each method. Speedup = geometric mean of paired run-median ratios vs "
@@ -1350,7 +1494,9 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in stats:
         d, rm, sp = m.decode, m.run_medians, m.speedup
-        speed = "1 (reference)" if m.label == baseline else "-" if sp["gmean"] is None else (
+        speed = "1 (reference)" if m.base_label == baseline else (
+            "- (no baseline run in the same context)" if m.baseline_row is None else "-"
+        ) if sp["gmean"] is None else (
             f"{sp['gmean']:.3f}x"
             + (f" [{sp['ci95_low']:.3f}-{sp['ci95_high']:.3f}]" if sp["ci95_low"] else "")
             + f" (n={sp['pairs']})")
@@ -1361,7 +1507,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
                      f"{_fmt(d['p95'])} | {ci} | {_fmt(rm['cv'], 3)} | {_fmt(d['p95'])} / {_fmt(d['max'])} "
                      f"| {speed} | {_fmt(m.ttft_median, 3)} | {_fmt(m.acc_len)} | {pp} |")
     cats = sorted({c for m in stats for c in m.by_cat})
-    base = next((m for m in stats if m.label == baseline), None)
+    rows = {m.label: m for m in stats}
     if cats:
         lines += ["", "## Per category (median decode tok/s; ratio = category median / baseline category "
                   "median)", "", "| category | " + " | ".join(m.label for m in stats) + " |",
@@ -1370,10 +1516,17 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
             cells = []
             for m in stats:
                 v = m.by_cat.get(c)
+                base = rows.get(m.baseline_row) if m.baseline_row else None
                 b = base.by_cat.get(c) if base else None
                 ratio = f" ({v / b:.2f}x)" if v and b and m is not base else ""
                 cells.append(f"{_fmt(v)}{ratio}")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if len({m.context for m in stats}) > 1 or len(rows) != len({m.base_label for m in stats}):
+        lines += ["", "## Configurations (rows are never pooled across these; speedups compare a row with "
+                  "the baseline row of the same context)", "",
+                  "| row | configuration hash | compared with | context |", "|---|---|---|---|"]
+        lines += [f"| {m.label} | {m.config_hash or '-'} | {m.baseline_row or '-'} | `{m.context}` |"
+                  for m in stats]
     lines += ["", "## Invalid runs (excluded from the comparison)", ""]
     if invalid:
         lines += ["| run | label | problems |", "|---|---|---|"]
@@ -1382,6 +1535,8 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
         lines.append("None.")
     if charts:
         lines += ["", "## Charts", ""] + [f"![{c}]({c})" for c in charts]
+    if notes:
+        lines += [""] + list(notes)
     return "\n".join(lines) + "\n"
 
 
@@ -1417,12 +1572,13 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
     fig.savefig(out / "acceptance_by_position.png", dpi=100)
     plt.close(fig)
     names.append("acceptance_by_position.png")
-    base = next((m for m in stats if m.label == baseline), None)
+    rows = {m.label: m for m in stats}
     cats = sorted({c for m in stats for c in m.by_cat})
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(cats) + 2), 4))
-    others = [m for m in stats if m is not base]
+    others = [m for m in stats if m.base_label != baseline]
     width = 0.8 / max(1, len(others))
     for j, m in enumerate(others):
+        base = rows.get(m.baseline_row) if m.baseline_row else None
         ys = [(m.by_cat.get(c) or 0) / b if base and (b := base.by_cat.get(c)) else 0 for c in cats]
         ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m.label)
     ax.axhline(1.0, color="grey", lw=1)
@@ -1438,23 +1594,79 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
     return names
 
 
+def check_report_dir(out: Path, store_dir: Path) -> None:
+    """UsageError unless ``out`` may hold the report: new, empty, or an earlier report.
+
+    The report may live inside the store (the default, DIR/report) but never be the store itself or
+    hold it. A directory holding only report files is an earlier report (written before reports were
+    marked) and counts as ours.
+    """
+    from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool
+
+    out_r, store_r = Path(os.path.realpath(out)), Path(os.path.realpath(store_dir))
+    if out_r == store_r or out_r in store_r.parents:
+        raise UsageError(f"--out {out}: {'is' if out_r == store_r else 'holds'} the results store "
+                         f"{store_dir}; write the report to its own directory, "
+                         f"e.g. {store_dir / REPORT_DIRNAME}")
+    if out.is_dir() and marker_tool(out) is None:
+        names = {e.name for e in out.iterdir()}
+        if names and names <= {"report.md", *CHART_FILES}:
+            return  # an earlier, unmarked report of ours
+    try:
+        check_output_dir(out, REPORT_TOOL, flag="--out")
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _charts_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401  (controller only)
+    except ImportError:
+        return False
+    return True
+
+
 def make_report(store_dir: Path, out_dir: Path | None = None, baseline: str = "baseline",
                 charts: bool = True) -> tuple[Path, list[MethodStats]]:
+    """Write OUT/report.md (+ charts) into a temporary directory and swap it into place."""
+    from sparkllm.outdir import write_marker
+
+    out = out_dir or store_dir / REPORT_DIRNAME
+    check_report_dir(out, store_dir)
     runs = load_runs(store_dir)
-    out = out_dir or store_dir
-    out.mkdir(parents=True, exist_ok=True)
     stats = method_table(runs, baseline)
     invalid = [r for r in runs if not r.valid]
-    names = render_charts(stats, baseline, out) if charts and stats else []
-    path = out / "report.md"
-    tmp = path.with_name(".report.md.tmp")
-    tmp.write_text(render_markdown(stats, invalid, baseline, names), encoding="utf-8")
-    os.replace(tmp, path)
-    return path, stats
+    notes: list[str] = []
+    if charts and stats and not _charts_available():
+        charts = False
+        notes.append(NO_MATPLOTLIB)
+        print(NO_MATPLOTLIB, file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_marker(tmp, REPORT_TOOL)
+        names = render_charts(stats, baseline, tmp) if charts and stats else []
+        md = render_markdown(stats, invalid, baseline, names, notes)
+        (tmp / "report.md").write_text(md, encoding="utf-8")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out / "report.md", stats
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    path, stats = make_report(Path(a.dir), Path(a.out) if a.out else None, a.baseline, not a.no_charts)
+    store = Path(a.dir)
+    if not store.is_dir():
+        raise UsageError(f"{store}: not a directory; pass the results store directory "
+                         f"(it holds {STORE_NAME})")
+    path, stats = make_report(store, Path(a.out) if a.out else None, a.baseline, not a.no_charts)
     print(f"wrote {path}")
     return 0
 
@@ -1463,56 +1675,83 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
+                                epilog=__doc__[__doc__.index("Exit codes:"):].split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="benchmark a running server (stdlib only)")
-    r.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+
+    def parser(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+
+    r = parser("run", "benchmark a running server (stdlib only)")
+    r.add_argument("--base-url", required=True, help="server URL, http(s)://HOST[:PORT], e.g. http://127.0.0.1:8000")
     r.add_argument("--model", required=True, help="served model name")
     r.add_argument("--label", required=True, help="method/config label, e.g. mtp-k2")
-    r.add_argument("--out", required=True, help="results directory")
-    r.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    r.add_argument("--category", default=None, help="only these categories (comma separated)")
-    r.add_argument("--repeats", type=int, default=1)
-    r.add_argument("--warmup", type=int, default=2)
-    r.add_argument("--max-tokens", type=int, default=256)
-    r.add_argument("--concurrency", type=int, default=1)
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--api-key-file", default=None)
-    r.add_argument("--meta-json", default=None, help="JSON object or file with serve args, spec config, ...")
-    r.add_argument("--thinking", choices=("on", "off"), default="off")
-    r.add_argument("--quiet", action="store_true", help="no progress line")
+    r.add_argument("--out", required=True, help="results directory (run JSON + results.sqlite)")
+    r.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt set")
+    r.add_argument("--category", default=None, help="only these categories, comma separated (default: all)")
+    r.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
+    r.add_argument("--warmup", type=int, default=2, help="warm-up requests, not measured")
+    r.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request")
+    r.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    r.add_argument("--seed", type=int, default=0, help="sampling seed")
+    r.add_argument("--api-key-file", default=None,
+                   help="file holding the server's API key (default: none, no Authorization header)")
+    r.add_argument("--meta-json", default=None,
+                   help="JSON object or file with serve args, spec config, ... (default: none)")
+    r.add_argument("--thinking", choices=("on", "off"), default="off", help="the model's thinking mode")
+    r.add_argument("--quiet", action="store_true",
+                   help="no progress line (the summary, the written path and, for a failed run, the one "
+                        "line saying why are still printed)")
     r.set_defaults(func=cmd_run)
-    i = sub.add_parser("import", help="merge run JSON files into a store directory (idempotent)")
+    i = parser("import", "merge run JSON files into a store directory (idempotent)")
     i.add_argument("paths", nargs="+", help="run JSON files or directories holding them")
-    i.add_argument("--store", default=None, help="store directory (default: first directory given)")
+    i.add_argument("--store", default=None, help="store directory (default: the first directory given)")
     i.set_defaults(func=cmd_import)
-    lk = sub.add_parser("lookup", help="print the valid run stored for a configuration hash + repetition "
-                        "(exit 1 when there is none)")
+    lk = parser("lookup", "print the valid run stored for a configuration hash + repetition "
+                "(exit 1 when there is none)")
     lk.add_argument("--store", required=True, help="store directory")
-    lk.add_argument("--config-hash", required=True)
-    lk.add_argument("--repetition", type=int, required=True)
+    lk.add_argument("--config-hash", required=True, help="configuration hash")
+    lk.add_argument("--repetition", type=int, required=True, help="repetition index")
     lk.set_defaults(func=cmd_lookup)
-    rep = sub.add_parser("report", help="Markdown report + PNG charts from a store")
-    rep.add_argument("dir")
-    rep.add_argument("--out", default=None)
+    rep = parser("report", "Markdown report + PNG charts (charts need matplotlib) from a store")
+    rep.add_argument("dir", help="results store directory")
+    rep.add_argument("--out", default=None, help=f"report directory (default: DIR/{REPORT_DIRNAME})")
     rep.add_argument("--baseline", default="baseline", help="label of the baseline method")
-    rep.add_argument("--no-charts", action="store_true")
+    rep.add_argument("--no-charts", action="store_true", help="Markdown only")
     rep.set_defaults(func=cmd_report)
-    f = sub.add_parser("fetch-prompts", help="download + verify + convert an external prompt set")
-    f.add_argument("--source", required=True, choices=("specbench",))
-    f.add_argument("--dest", required=True)
-    f.add_argument("--manifest", default=str(SPECBENCH_MANIFEST))
-    f.add_argument("--url", default=None, help="override the download URL (mirror, file://)")
-    f.add_argument("--sha256", default=None, help="override the pinned sha256")
-    f.add_argument("--allow-unpinned", action="store_true")
+    f = parser("fetch-prompts", "download + verify + convert an external prompt set")
+    f.add_argument("--source", required=True, choices=("specbench",), help="prompt source")
+    f.add_argument("--dest", required=True, help="converted JSONL file to write")
+    f.add_argument("--manifest", default=str(SPECBENCH_MANIFEST), help="pinned source manifest")
+    f.add_argument("--url", default=None,
+                   help="override the download URL (mirror, file://; default: the manifest's pinned URL)")
+    f.add_argument("--sha256", default=None, help="override the pinned sha256 (default: the manifest's)")
+    f.add_argument("--allow-unpinned", action="store_true", help="accept a source without a pinned sha256")
     f.set_defaults(func=cmd_fetch_prompts)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    return int(a.func(a))
+    where = f"bench.py {a.cmd}"
+    try:
+        return int(a.func(a))
+    except UsageError as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 2
+    except WorkFailed as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 1
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # raised with a message deeper down: a failure of the work
+            print(f"{where}: error: {exc.code}", file=sys.stderr)
+            return 1
+        raise
+    except (OSError, sqlite3.Error) as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

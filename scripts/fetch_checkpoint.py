@@ -26,7 +26,13 @@ header and never printed or written. Endpoint: --endpoint, else HF_ENDPOINT, els
 https://huggingface.co. A finished destination is recorded in DIR/.sparkllm_source.json; reruns
 skip files that are already complete and verified.
 
-Exit codes: 0 ok, 1 failure (message names the file and the problem), 2 usage.
+Destinations are ours or untouched: a destination directory is marked (.sparkllm-owner.json) when
+this tool creates it; a non-empty directory it did not create, an existing file where a directory
+belongs (or a directory where fp8-extract's FILE belongs), and a mirror destination equal to, inside or
+holding --src are refused before anything is written.
+
+Exit codes: 0 ok, 1 failure (message names the file and the problem), 2 usage error (bad arguments,
+missing --token-file or --src, a destination the tool may not write).
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ from sparkllm.checkpoint import (
     read_manifest,
     scale_name,
 )
+from sparkllm.cli import HelpFormatter
+from sparkllm.outdir import OutputRefused, check_output_dir, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
     MAX_HEADER_BYTES,
@@ -82,10 +90,28 @@ CHUNK = 1 << 20
 MARGIN_BYTES = 1 << 30
 MARGIN_FRACTION = 0.02
 CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
+TOOL = "fetch_checkpoint"
+MIRROR_STATE = ".sparkllm_mirror.json"
+# bookkeeping files that mark a destination written by an earlier version of this tool
+LEGACY_MARKS = (SOURCE_RECORD, MIRROR_STATE)
 
 
 class FetchError(Exception):
     """A download or verification failed; the message names the file and the problem."""
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit 2); the message names the problem and the fix."""
+
+
+def claim_dir(dest: Path, inputs: tuple[tuple[str, Path], ...] = (), flag: str = "--dest") -> None:
+    """Refuse a destination that is not ours (UsageError), else create it and mark it as ours."""
+    try:
+        check_output_dir(dest, TOOL, inputs=inputs, flag=flag, legacy=LEGACY_MARKS)
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
+    dest.mkdir(parents=True, exist_ok=True)
+    write_marker(dest, TOOL)
 
 
 # ------------------------------------------------------------------ shared helpers
@@ -96,7 +122,10 @@ def read_token(token_file: Path | None) -> str | None:
         try:
             token = token_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise FetchError(f"{token_file}: cannot read token file ({exc.strerror})") from None
+            raise UsageError(
+                f"{token_file}: cannot read --token-file ({exc.strerror}); "
+                "pass a readable file holding the token"
+            ) from None
         if not token:
             raise FetchError(f"{token_file}: token file is empty")
         return token
@@ -311,7 +340,9 @@ def fetch_selection(remote: Remote, sel: Selection, dest: Path) -> Header:
 
 
 def fp8_extract(remote: Remote, dest: Path, pattern: str) -> dict[str, object]:
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_dir():
+        raise UsageError(f"{dest}: --dest is a directory; fp8-extract writes one FILE: name a file inside it")
+    claim_dir(dest.parent, flag="--dest's directory")
     record_path = dest.parent / SOURCE_RECORD
     old = _read_json(record_path)
     if dest.is_file() and old.get("repo") == remote.repo and old.get("revision") == remote.revision:
@@ -436,7 +467,7 @@ def hub_fetch(
     ]
     if not files:
         raise FetchError(f"{repo}@{revision}: no files match {include}")
-    dest.mkdir(parents=True, exist_ok=True)
+    claim_dir(dest)
     record_path = dest / SOURCE_RECORD
     record = _read_json(record_path)
     verified: dict[str, Any] = record.get("verified", {}) if record.get("revision") == revision else {}
@@ -496,6 +527,14 @@ def copy_verified(src: Path, dst: Path, entry: ManifestEntry) -> None:
 
 
 def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:
+    if not src.is_dir():
+        raise UsageError(
+            f"{src}: --src is not a directory; pass the mirror directory (holding {MANIFEST_NAME})"
+        )
+    try:
+        check_output_dir(dest, TOOL, inputs=(("--src", src),), flag="--dest", legacy=LEGACY_MARKS)
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
     manifest_path = src / MANIFEST_NAME
     if not manifest_path.is_file():
         raise FetchError(
@@ -505,10 +544,10 @@ def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:
         entries = read_manifest(manifest_path)
     except CheckpointError as exc:
         raise FetchError(str(exc)) from None
-    dest.mkdir(parents=True, exist_ok=True)
+    claim_dir(dest, inputs=(("--src", src),))
     record_path = dest / SOURCE_RECORD
     record = _read_json(src / SOURCE_RECORD)
-    state = _read_json(dest / ".sparkllm_mirror.json")
+    state = _read_json(dest / MIRROR_STATE)
 
     def done(e: ManifestEntry) -> bool:
         p = dest / e.name
@@ -529,7 +568,7 @@ def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:
         log(f"mirror: {e.name} ({gib(e.size)})")
         copy_verified(src / e.name, dest / e.name, e)
         state[e.name] = {"size": e.size, "sha256": e.sha256, "mtime_ns": (dest / e.name).stat().st_mtime_ns}
-        write_json_atomic(dest / ".sparkllm_mirror.json", state)
+        write_json_atomic(dest / MIRROR_STATE, state)
     if record:
         write_json_atomic(record_path, {**record, "mirror": str(src)})
     fsync_dir(dest)
@@ -538,7 +577,7 @@ def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:
 
 def write_manifest(directory: Path, with_sha256: bool) -> dict[str, object]:
     if not directory.is_dir():
-        raise FetchError(f"{directory}: not a directory")
+        raise UsageError(f"{directory}: not a directory; pass the checkpoint directory to describe")
     entries = build_manifest(directory, with_sha256)
     write_json_atomic(directory / MANIFEST_NAME, manifest_doc(entries))
     return {"changed": True, "files": len(entries), "bytes": sum(e.size for e in entries)}
@@ -547,44 +586,68 @@ def write_manifest(directory: Path, with_sha256: bool) -> dict[str, object]:
 # ------------------------------------------------------------------ CLI
 
 
-def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fetch_checkpoint.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def remote_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--repo", required=True, help="Hub repo id, e.g. Qwen/Qwen3.5-122B-A10B-FP8")
         sp.add_argument("--revision", required=True, help="pinned revision (commit sha preferred)")
-        sp.add_argument("--token-file", type=Path, help="file holding the HF token (else $HF_TOKEN)")
-        sp.add_argument("--endpoint", help="Hub endpoint (else $HF_ENDPOINT, else https://huggingface.co)")
+        sp.add_argument(
+            "--token-file", type=Path, help="file holding the HF token (default: $HF_TOKEN, else no token)"
+        )
+        sp.add_argument(
+            "--endpoint", help="Hub endpoint (default: $HF_ENDPOINT, else https://huggingface.co)"
+        )
 
     for name, helptext in (
         ("hub", "download repo files via huggingface_hub"),
         ("full", "whole FP8 checkpoint"),
     ):
-        sp = sub.add_parser(name, help=helptext)
+        sp = sub.add_parser(name, help=helptext, formatter_class=HelpFormatter)
         remote_args(sp)
         sp.add_argument("--dest", required=True, type=Path, help="destination directory")
         sp.add_argument(
-            "--include", nargs="*", default=[], metavar="GLOB", help="only files matching these globs"
+            "--include",
+            nargs="*",
+            default=[],
+            metavar="GLOB",
+            help="only files matching these globs (default: every file; `full`: *.safetensors *.json)",
         )
-    sp = sub.add_parser("fp8-extract", help="range-fetch the FP8 shared-expert tensors into one small file")
+    sp = sub.add_parser(
+        "fp8-extract",
+        help="range-fetch the FP8 shared-expert tensors into one small file",
+        formatter_class=HelpFormatter,
+    )
     remote_args(sp)
     sp.add_argument("--dest", required=True, type=Path, help="destination safetensors FILE")
     sp.add_argument(
-        "--pattern", default="shared_expert", help="regex on tensor names (default shared_expert)"
+        "--pattern", default="shared_expert", help="regex on tensor names"
     )
-    sp = sub.add_parser("mirror", help="copy from a mirror directory verified against its manifest")
+    sp = sub.add_parser(
+        "mirror",
+        help="copy from a mirror directory verified against its manifest",
+        formatter_class=HelpFormatter,
+    )
     sp.add_argument("--src", required=True, type=Path, help="mirror directory holding sparkllm-manifest.json")
     sp.add_argument("--dest", required=True, type=Path, help="destination directory")
-    sp = sub.add_parser("manifest", help="write sparkllm-manifest.json for a directory")
-    sp.add_argument("dir", type=Path)
-    sp.add_argument("--no-sha256", action="store_true", help="sizes only (fast, weaker)")
-    return p.parse_args(argv)
+    sp = sub.add_parser(
+        "manifest", help="write sparkllm-manifest.json for a directory", formatter_class=HelpFormatter
+    )
+    sp.add_argument("dir", type=Path, help="checkpoint directory to describe")
+    sp.add_argument(
+        "--no-sha256", action="store_true", help="sizes only (fast, weaker; default: with sha256)"
+    )
+    return p
+
+
+def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def run(a: argparse.Namespace) -> dict[str, object]:
@@ -592,6 +655,19 @@ def run(a: argparse.Namespace) -> dict[str, object]:
         return write_manifest(a.dir, not a.no_sha256)
     if a.cmd == "mirror":
         return mirror_fetch(a.src, a.dest)
+    # refuse a destination that is not ours before any network traffic
+    if a.cmd == "fp8-extract":
+        if a.dest.is_dir():
+            raise UsageError(
+                f"{a.dest}: --dest is a directory; fp8-extract writes one FILE: name a file inside it"
+            )
+        out_dir, flag = a.dest.parent, "--dest's directory"
+    else:
+        out_dir, flag = a.dest, "--dest"
+    try:
+        check_output_dir(out_dir, TOOL, flag=flag, legacy=LEGACY_MARKS)
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
     token = read_token(a.token_file)
     endpoint = endpoint_of(a.endpoint)
     if a.cmd == "fp8-extract":
@@ -605,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = run(args)
+    except UsageError as exc:
+        print(f"fetch_checkpoint: error: {exc}", file=sys.stderr)
+        return 2
     except (FetchError, CheckpointError, SafetensorsError, OSError) as exc:
         print(f"fetch_checkpoint: error: {exc}", file=sys.stderr)
         return 1

@@ -19,11 +19,17 @@ valid output is a no-op.
 The FP8 directory may be a full FP8 checkpoint (its index decides which files are read) or a small
 extract produced by `fetch_checkpoint.py fp8-extract` (all *.safetensors files are read).
 
-The output is written to <out>.tmp-<pid> (sibling of --out, same filesystem), fsynced and renamed
-into place; leftover temp directories of interrupted runs are removed. Tensors are never decoded:
-byte ranges are copied with os.copy_file_range, so memory stays flat.
+The output is written to <out>.tmp-<pid> (sibling of --out, same filesystem), marked as this tool's
+(.sparkllm-owner.json), fsynced and renamed into place; leftover temp directories of interrupted runs
+are removed when they carry that mark. Tensors are never decoded: byte ranges are copied with
+os.copy_file_range, so memory stays flat.
 
-Exit codes: 0 ok (or no-op), 1 invalid input or I/O failure, 2 usage error.
+--out is ours or untouched: it may be new, empty, or an earlier output of this tool (which is replaced);
+a non-empty directory of anyone else, an existing file, and a directory equal to, inside or holding
+--int4 or --fp8 are refused before anything is written.
+
+Exit codes: 0 ok (or no-op), 1 the merge failed (invalid input checkpoint, I/O failure),
+2 usage error (bad arguments, missing input directory, an --out the tool may not write).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ from sparkllm.checkpoint import (
     plan_merge,
     read_source_record,
 )
+from sparkllm.cli import HelpFormatter
+from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
     ByteRange,
@@ -65,6 +73,11 @@ from sparkllm.safetensors_io import (
 
 RECORD_NAME = ".sparkllm_merge.json"
 PROVENANCE_KEY = "sparkllm_provenance"
+TOOL = "hybrid_merge"
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit 2); the message names the problem and the fix."""
 
 
 @dataclass
@@ -76,23 +89,36 @@ class MergeResult:
     timings: dict[str, float] = field(default_factory=dict)  # plan / copy / fsync phases
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hybrid_merge.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--int4", required=True, type=Path, help="INT4 AutoRound checkpoint directory")
     p.add_argument("--fp8", required=True, type=Path, help="FP8 checkpoint directory (full or fp8-extract)")
-    p.add_argument("--out", required=True, type=Path, help="output directory (created atomically)")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output directory (created atomically; new, empty or an earlier output of this tool)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def remove_stale_temps(out: Path) -> list[Path]:
-    """Remove <out>.tmp-<pid> / <out>.old-<pid> siblings whose process is gone."""
+    """Remove <out>.tmp-<pid> / <out>.old-<pid> siblings of ours whose process is gone.
+
+    Only directories that carry this tool's mark (or its merge record) are ours; anything else with
+    such a name is left alone.
+    """
     removed: list[Path] = []
     if not out.parent.is_dir():
         return removed
@@ -100,6 +126,10 @@ def remove_stale_temps(out: Path) -> list[Path]:
     for p in leftovers:
         pid_text = p.name.rsplit("-", 1)[-1]
         if pid_text.isdigit() and int(pid_text) != os.getpid() and _pid_alive(int(pid_text)):
+            continue
+        if not p.is_dir() or p.is_symlink():
+            continue
+        if marker_tool(p) != TOOL and not (p / RECORD_NAME).exists():
             continue
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
@@ -235,9 +265,10 @@ def execute(
     plan: MergePlan, int4: Path, fp8: Path, out: Path, digest: str, timings: dict[str, float]
 ) -> None:
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
     try:
+        write_marker(tmp, TOOL)
         outputs: dict[str, object] = {}
         t0 = time.monotonic()
         for shard in plan.shards:
@@ -295,7 +326,12 @@ def run(
 ) -> tuple[MergeResult | None, MergePlan | None]:
     for d, flag in ((int4, "--int4"), (fp8, "--fp8")):
         if not d.is_dir():
-            raise CheckpointError(f"{d}: {flag} directory does not exist")
+            what = "is not a directory" if d.exists() else "directory does not exist"
+            raise UsageError(f"{d}: {flag} {what}; pass the checkpoint directory")
+    try:
+        check_output_dir(out, TOOL, inputs=(("--int4", int4), ("--fp8", fp8)), legacy=(RECORD_NAME,))
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
     start = time.monotonic()
     if not dry_run:
         remove_stale_temps(out)
@@ -315,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result, plan = run(args.int4, args.fp8, args.out, args.dry_run)
+    except UsageError as exc:
+        print(f"hybrid_merge: error: {exc}", file=sys.stderr)
+        return 2
     except (CheckpointError, SafetensorsError) as exc:
         print(f"hybrid_merge: error: {exc}", file=sys.stderr)
         return 1

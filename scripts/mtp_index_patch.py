@@ -10,7 +10,12 @@ a second run reports changed=false. --check reports what would change and writes
 JSON result (--json): {"changed", "added", "copied", "linked", "total_size_before",
 "total_size_after", "entries_before", "entries_after", "mtp_tensors"}.
 
-Exit codes: 0 ok (also with --check), 1 invalid input (e.g. missing extra file), 2 usage.
+TARGET must be a directory made by this toolkit (the output of hybrid_merge.py, a fetched copy) and not
+SOURCE itself: a directory someone else made is refused, before anything is written, when the patch
+would change it.
+
+Exit codes: 0 ok (also with --check), 1 invalid input (e.g. missing extra file), 2 usage error
+(bad arguments, a target the patch may not write).
 """
 
 from __future__ import annotations
@@ -21,29 +26,38 @@ import sys
 from pathlib import Path
 
 from sparkllm.checkpoint import EXTRA_FILE, CheckpointError, apply_mtp_patch, plan_mtp_patch
+from sparkllm.cli import HelpFormatter
+from sparkllm.outdir import OutputRefused
 from sparkllm.safetensors_io import SafetensorsError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mtp_index_patch.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--source", required=True, type=Path, help=f"INT4 checkpoint directory holding {EXTRA_FILE}"
     )
     p.add_argument("--target", required=True, type=Path, help="model directory whose index is patched")
-    p.add_argument("--extra-file", default=EXTRA_FILE, help=f"MTP file name (default {EXTRA_FILE})")
+    p.add_argument("--extra-file", default=EXTRA_FILE, help="MTP file name")
     p.add_argument("--check", action="store_true", help="report what would change, write nothing")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         if a.check:
             result, _ = plan_mtp_patch(a.source, a.target, a.extra_file)
         else:
             result = apply_mtp_patch(a.source, a.target, a.extra_file)
+    except OutputRefused as exc:
+        print(f"mtp_index_patch: error: {exc}", file=sys.stderr)
+        return 2
     except (CheckpointError, SafetensorsError, OSError) as exc:
         print(f"mtp_index_patch: error: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,14 @@
 #!/usr/bin/env python3
 """Method sweep (controller): serve + bench every configuration, interleaved, resumable.
 
-    sweep.py --methods baseline,ngram,mtp,eagle3,dflash [--mtp-k 1,2,4] [--repeats N]
+    sweep.py [--methods baseline,ngram,mtp,...] [--mtp-k 1,2,4] [--repeats N]
              [--inventory INV] [--results DIR] [--leave-best] [--extra-vars JSON]
+
+Methods: by default, the catalogue's methods (group_vars/all/methods.yml) whose requirements are met
+by the settings (group_vars/all/*.yml overlaid with --extra-vars): every knob in the method's
+``requires`` is set, and its vLLM build is one that ``make deploy`` provides with these settings (the
+variants of ``spec_method`` and ``vllm_build_methods``), since the sweep runs only the serve and bench
+stages. Each method left out is named with the reason; ``--methods`` lists them explicitly.
 
 Grid: one configuration per method; ``mtp`` expands to one per ``--mtp-k`` value (other methods
 use the catalogue's default K: ``spec_num_speculative_tokens`` null).  Schedule: methods are
@@ -19,6 +25,13 @@ configuration hash and repetition (invalid runs are retried).  The end: ``bench.
 the results directory and the best configuration (highest median decode tok/s over valid runs);
 ``--leave-best`` reruns the serve stage for it.
 
+A failed cell is reported with the failing task, its host and its message (from ansible-runner's
+events); the runner's artifacts (stdout, events) are kept under ``DIR/runner/<label>-rep<N>-<time>/``.
+The report is ``DIR/report/report.md`` (``bench.py report``).
+
+Exit codes: 0 every cell ran and recorded a valid run; 1 a cell failed (or --leave-best failed);
+2 usage error (unknown method, a method whose requirements are not met, bad --extra-vars).
+
 The ansible-runner call is injectable (``Sweep(runner=...)``) so tests replace it with a fake.
 """
 
@@ -28,18 +41,60 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import bench
+from sparkllm.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-KNOWN_METHODS = ("baseline", "ngram", "mtp", "eagle3", "dflash")
+SETTINGS_DIR = REPO_ROOT / "group_vars" / "all"
+RUNNER_DIRNAME = "runner"  # ansible-runner artifacts of every cell, under the results directory
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit 2); the message names the problem and the fix."""
+
+
+def load_settings(settings_dir: Path = SETTINGS_DIR) -> dict[str, Any]:
+    """The toolkit's settings and catalogue (every group_vars/all/*.yml, merged in name order)."""
+    import yaml  # controller only (comes with ansible-core)
+
+    out: dict[str, Any] = {}
+    for f in sorted(settings_dir.glob("*.yml")):
+        doc = yaml.safe_load(f.read_text(encoding="utf-8"))
+        if isinstance(doc, dict):
+            out.update(doc)
+    return out
+
+
+def _is_set(v: Any) -> bool:
+    return v is not None and v != "" and v != [] and v != {}
+
+
+def method_problems(settings: dict[str, Any]) -> dict[str, str]:
+    """method -> why the sweep cannot serve it with these settings (absent when it can)."""
+    catalogue: dict[str, Any] = settings.get("spark_method_catalogue") or {}
+    deployed = [settings.get("spec_method", "mtp"), *(settings.get("vllm_build_methods") or [])]
+    built = {catalogue[m]["vllm_variant"] for m in deployed if m in catalogue}
+    problems: dict[str, str] = {}
+    for name, entry in catalogue.items():
+        missing = [k for k in entry.get("requires") or [] if not _is_set(settings.get(k))]
+        if missing:
+            problems[name] = (f"needs {', '.join(missing)}: pass --extra-vars "
+                              f"'{{\"{missing[0]}\": ...}}'")
+        elif entry.get("vllm_variant") not in built:
+            problems[name] = (f"its vLLM build {entry.get('vllm_variant')} is not provided by `make deploy` "
+                              f"with these settings (spec_method={settings.get('spec_method')}): "
+                              f"add {name} to vllm_build_methods and deploy, then pass --methods with it")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -83,6 +138,8 @@ class RunRequest:
     tags: str
     extravars: dict[str, Any]
     inventory: str | None
+    artifact_dir: Path | None = None  # where the runner keeps stdout and events (None: thrown away)
+    ident: str = "run"
 
 
 @dataclass
@@ -90,13 +147,41 @@ class RunOutcome:
     ok: bool
     status: str
     rc: int
+    failure: str | None = None  # "task 'X' on HOST: message", from the runner's events
+    artifacts: str | None = None  # directory holding the runner's stdout and events
+
+
+def _one_line(text: Any, limit: int = 600) -> str:
+    line = re.sub(r"\s+", " ", str(text)).strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def failure_from_events(events: Iterable[dict[str, Any]], stdout: str = "") -> str | None:
+    """The last failing task, its host and its message; else the last ERROR line of the output."""
+    found: str | None = None
+    for ev in events:
+        if ev.get("event") not in ("runner_on_failed", "runner_on_unreachable"):
+            continue
+        data = ev.get("event_data") or {}
+        if data.get("ignore_errors"):
+            continue
+        res = data.get("res") or {}
+        msg = res.get("msg") or res.get("stderr") or res.get("stdout") or res.get("reason") or "no message"
+        what = "unreachable" if ev["event"] == "runner_on_unreachable" else "failed"
+        found = f"task '{data.get('task', '?')}' {what} on {data.get('host', '?')}: {_one_line(msg)}"
+    if found is None:
+        errors = [ln for ln in stdout.splitlines() if "ERROR" in ln]
+        if errors:
+            found = _one_line(errors[-1])
+    return found
 
 
 Runner = Callable[[RunRequest], RunOutcome]
 
 
 def ansible_runner_run(req: RunRequest) -> RunOutcome:
-    """Default runner: ansible_runner.run on the project, in a throw-away private data dir."""
+    """Default runner: ansible_runner.run on the project. The private data dir (extra vars) is
+    thrown away; the artifacts (stdout, events) stay in ``req.artifact_dir/req.ident`` when given."""
     import ansible_runner  # controller only, imported lazily
 
     envvars: dict[str, str] = {}
@@ -105,25 +190,40 @@ def ansible_runner_run(req: RunRequest) -> RunOutcome:
     with tempfile.TemporaryDirectory(prefix="sweep-runner-") as pdd:
         kwargs: dict[str, Any] = {"private_data_dir": pdd, "project_dir": str(req.project_dir),
                                   "playbook": req.playbook, "tags": req.tags, "extravars": req.extravars,
-                                  "envvars": envvars or None, "quiet": True}
+                                  "envvars": envvars or None, "quiet": True, "ident": req.ident}
+        if req.artifact_dir is not None:
+            req.artifact_dir.mkdir(parents=True, exist_ok=True)
+            kwargs["artifact_dir"] = str(req.artifact_dir)
         if req.inventory:
             kwargs["inventory"] = req.inventory
         r = ansible_runner.run(**kwargs)
-        return RunOutcome(ok=r.status == "successful", status=str(r.status), rc=int(r.rc or 0))
+        ok = r.status == "successful"
+        failure = None
+        if not ok:
+            try:
+                stdout = r.stdout.read()
+            except (OSError, AttributeError, ValueError):
+                stdout = ""
+            failure = failure_from_events(r.events, stdout) or f"ansible-runner {r.status} (rc {r.rc})"
+        artifacts = str(Path(req.artifact_dir, req.ident)) if req.artifact_dir is not None else None
+        return RunOutcome(ok=ok, status=str(r.status), rc=int(r.rc or 0), failure=failure,
+                          artifacts=artifacts)
 
 
-def expand_grid(methods: Sequence[str], mtp_k: Sequence[int], extra_vars: dict[str, Any]) -> list[CellConfig]:
+def expand_grid(methods: Sequence[str], mtp_k: Sequence[int], extra_vars: dict[str, Any],
+                known: Sequence[str] | None = None) -> list[CellConfig]:
     ev = json.dumps(extra_vars, sort_keys=True)
+    known = list(known) if known is not None else list(load_settings().get("spark_method_catalogue") or {})
     out: list[CellConfig] = []
     for m in methods:
-        if m not in KNOWN_METHODS:
-            raise SystemExit(f"unknown method {m!r}: choose from {', '.join(KNOWN_METHODS)}")
+        if m not in known:
+            raise UsageError(f"unknown method {m!r}: choose from {', '.join(known)} (the method catalogue)")
         if m == "mtp":
             out.extend(CellConfig(m, k, ev) for k in mtp_k)
         else:
             out.append(CellConfig(m, None, ev))
     if len({c.config_hash for c in out}) != len(out):
-        raise SystemExit("duplicate configurations in --methods/--mtp-k")
+        raise UsageError("duplicate configurations in --methods/--mtp-k: list each method and K once")
     return out
 
 
@@ -207,8 +307,11 @@ class Sweep:
         return schedule(self.configs, self.repeats)
 
     def request(self, cell: Cell, tags: str = "serve,bench") -> RunRequest:
+        ident = f"{cell.config.label}-rep{cell.repetition}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         return RunRequest(self.project_dir, self.playbook, tags,
-                          cell.config.extravars(cell.repetition, self.results_dir), self.inventory)
+                          cell.config.extravars(cell.repetition, self.results_dir), self.inventory,
+                          artifact_dir=self.results_dir / RUNNER_DIRNAME,
+                          ident=re.sub(r"[^\w.-]", "_", ident))
 
     def _import(self) -> None:
         if self.results_dir.is_dir():
@@ -233,8 +336,11 @@ class Sweep:
                     res.ran.append(cell)
                     rep.finish(cell, "ok")
                 else:
-                    why = (f"ansible-runner {outcome.status} (rc {outcome.rc})" if not outcome.ok
+                    why = ((outcome.failure or f"ansible-runner {outcome.status} (rc {outcome.rc})")
+                           if not outcome.ok
                            else "no valid run recorded (see the run's problems in the report)")
+                    if outcome.artifacts:
+                        why += f" [runner output: {outcome.artifacts}]"
                     res.failed.append((cell, why))
                     rep.finish(cell, f"FAILED: {why}")
         finally:
@@ -246,11 +352,11 @@ class Sweep:
         if not (self.results_dir / bench.STORE_NAME).exists():
             return
         res.report, stats = bench.make_report(self.results_dir, charts=self.charts)
-        by_label = {c.label: c for c in self.configs}
-        ranked = [s for s in stats if s.label in by_label and s.decode["median"] is not None]
+        by_hash = {c.config_hash: c for c in self.configs}
+        ranked = [s for s in stats if s.config_hash in by_hash and s.decode["median"] is not None]
         if ranked:
             top = max(ranked, key=lambda s: s.decode["median"])
-            res.best, res.best_decode_median = by_label[top.label], top.decode["median"]
+            res.best, res.best_decode_median = by_hash[top.config_hash], top.decode["median"]
 
     def leave_best(self, best: CellConfig) -> RunOutcome:
         return self.runner(self.request(Cell(best, 0), tags="serve"))
@@ -264,30 +370,70 @@ def _ints(s: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sweep.py", description="Serve + bench every method configuration.")
-    p.add_argument("--methods", default="baseline,ngram,mtp,eagle3,dflash")
-    p.add_argument("--mtp-k", type=_ints, default=[2])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--inventory", default=str(REPO_ROOT / "inventory" / "hosts.yml"))
-    p.add_argument("--results", default=str(REPO_ROOT / "results"))
+    p = argparse.ArgumentParser(prog="sweep.py", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--methods", default=None,
+                   help="comma-separated methods (default: the catalogue's methods whose requirements "
+                        "are met; the others are named with the reason)")
+    p.add_argument("--mtp-k", type=_ints, default=[2], help="comma-separated K values for mtp")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions of every configuration")
+    p.add_argument("--inventory", default=str(REPO_ROOT / "inventory" / "hosts.yml"),
+                   help="Ansible inventory (any path)")
+    p.add_argument("--results", default=str(REPO_ROOT / "results"),
+                   help="results directory (store, report/, runner/)")
     p.add_argument("--leave-best", action="store_true", help="rerun the serve stage for the best config")
     p.add_argument("--extra-vars", default="{}", help="JSON object passed to every run")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+def choose_methods(arg: str | None, settings: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """(methods to sweep, method -> why it is left out or only warned about)."""
+    problems = method_problems(settings)
+    catalogue = list(settings.get("spark_method_catalogue") or {})
+    if arg is None:
+        return [m for m in catalogue if m not in problems], problems
+    methods = [m.strip() for m in arg.split(",") if m.strip()]
+    if not methods:
+        raise UsageError("--methods is empty: list at least one method, e.g. --methods baseline,mtp")
+    for m in methods:
+        entry = (settings.get("spark_method_catalogue") or {}).get(m, {})
+        missing = [k for k in entry.get("requires") or [] if not _is_set(settings.get(k))]
+        if missing:
+            raise UsageError(f"method {m!r} {problems[m]}")
+    return methods, {m: why for m, why in problems.items() if m in methods}
 
 
 def main(argv: list[str] | None = None, runner: Runner | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
+        return _main(a, runner)
+    except UsageError as exc:
+        print(f"sweep.py: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(a: argparse.Namespace, runner: Runner | None) -> int:
+    try:
         extra = json.loads(a.extra_vars)
     except ValueError as exc:
-        raise SystemExit(f"--extra-vars must be a JSON object: {exc}") from exc
+        raise UsageError(f"--extra-vars must be a JSON object: {exc}") from None
     if not isinstance(extra, dict):
-        raise SystemExit("--extra-vars must be a JSON object")
+        raise UsageError("--extra-vars must be a JSON object, e.g. '{\"bench_repeats\": 2}'")
     if a.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
-    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    sw = Sweep(expand_grid(methods, a.mtp_k, extra), a.repeats, Path(a.results).resolve(),
+        raise UsageError("--repeats must be >= 1")
+    if a.inventory and "," not in a.inventory and not Path(a.inventory).exists():  # "host1,host2," is a list
+        raise UsageError(f"--inventory {a.inventory}: no such file; pass your inventory "
+                         "(e.g. a copy of inventory/examples/remote-spark.yml)")
+    settings = {**load_settings(), **extra}
+    methods, notes = choose_methods(a.methods, settings)
+    for m, why in notes.items():
+        verb = "may fail" if m in methods else "left out"
+        print(f"{m}: {verb}: {why}", file=sys.stderr)
+    if not methods:
+        raise UsageError("no method can be swept with these settings (see above); pass --methods")
+    known = list(settings.get("spark_method_catalogue") or {})
+    sw = Sweep(expand_grid(methods, a.mtp_k, extra, known), a.repeats, Path(a.results).resolve(),
                inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet)
     res = sw.run()
     print(f"ran {len(res.ran)}, skipped {len(res.skipped)} (already recorded), failed {len(res.failed)}")
@@ -300,7 +446,8 @@ def main(argv: list[str] | None = None, runner: Runner | None = None) -> int:
               f"spec_num_speculative_tokens={res.best.k}, median decode {res.best_decode_median:.2f} tok/s)")
         if a.leave_best:
             out = sw.leave_best(res.best)
-            print(f"left {res.best.label} serving: {out.status}")
+            print(f"left {res.best.label} serving: {out.status}"
+                  + (f" ({out.failure})" if out.failure else ""))
             if not out.ok:
                 return 1
     return 1 if res.failed else 0

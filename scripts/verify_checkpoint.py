@@ -10,7 +10,8 @@ present); every F8_E4M3 weight has a *.weight_scale_inv partner whose shape is
 (ceil(rows/b), ceil(cols/b)) for one block size b shared across the checkpoint; with
 --expect-hybrid at least one FP8 weight exists and no FP8 tensor is under ".experts.".
 
-Exit codes: 0 valid, 1 invalid (one line per problem on stdout, or JSON with --json), 2 usage.
+Exit codes: 0 valid, 1 invalid (one line per problem on stdout, or JSON with --json), 2 usage error
+(bad arguments, DIR not a directory).
 """
 
 from __future__ import annotations
@@ -21,23 +22,31 @@ import sys
 from pathlib import Path
 
 from sparkllm.checkpoint import verify_checkpoint
+from sparkllm.cli import HelpFormatter
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="verify_checkpoint.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("dir", type=Path, help="checkpoint directory")
     p.add_argument("--expect-mtp", action="store_true", help="require registered mtp.* tensors")
     p.add_argument("--expect-hybrid", action="store_true", help="require FP8 weights, none under .experts.")
     p.add_argument("--json", action="store_true", help="print a JSON report")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     if not a.dir.is_dir():
-        print(f"{a.dir}: not a directory", file=sys.stderr)
-        return 1
+        print(
+            f"verify_checkpoint: error: {a.dir}: not a directory; pass the checkpoint directory",
+            file=sys.stderr,
+        )
+        return 2
     r = verify_checkpoint(a.dir, expect_mtp=a.expect_mtp, expect_hybrid=a.expect_hybrid)
     if a.json:
         print(

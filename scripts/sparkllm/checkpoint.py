@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .outdir import MARKER as OWNER_MARKER
+from .outdir import OutputRefused, made_by_toolkit
 from .safetensors_io import (
     INDEX_NAME,
     SIXTEEN_BIT,
@@ -36,6 +38,7 @@ MTP_PREFIX = "mtp."
 FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = ".weight_scale_inv"
 SOURCE_RECORD = ".sparkllm_source.json"
+MERGE_RECORD = ".sparkllm_merge.json"
 MANIFEST_NAME = "sparkllm-manifest.json"
 
 
@@ -277,7 +280,7 @@ def dir_fingerprint(directory: Path) -> dict[str, object]:
     """Cheap identity of a directory's files: names, sizes, mtimes, safetensors header digests."""
     files: dict[str, object] = {}
     for p in sorted(directory.iterdir()):
-        if not p.is_file() or p.name.startswith(".sparkllm_merge"):
+        if not p.is_file() or p.name.startswith(".sparkllm_merge") or p.name == OWNER_MARKER:
             continue
         st = p.stat()
         entry: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -390,8 +393,26 @@ def _total_size(target: Path, weight_map: Mapping[str, str], extra: tuple[str, H
     return total
 
 
+def _check_mtp_target(source: Path, target: Path) -> None:
+    """Refuse a target the patch may not write (OutputRefused: usage error)."""
+    if not target.is_dir():
+        what = "is not a directory" if target.exists() else "does not exist"
+        raise OutputRefused(f"{target}: target {what}; pass the merged model directory whose index to patch")
+    src_r, tgt_r = Path(os.path.realpath(source)), Path(os.path.realpath(target))
+    if tgt_r == src_r or src_r in tgt_r.parents:
+        raise OutputRefused(
+            f"{target}: target is {'the source checkpoint itself' if tgt_r == src_r else 'inside the source'}"
+            f" ({source}); the patch would rewrite the input: patch the merged output of hybrid_merge.py"
+        )
+
+
 def plan_mtp_patch(source: Path, target: Path, extra_file: str = EXTRA_FILE) -> tuple[MtpPatchResult, dict]:
-    """What the patch would do, and the new index document (not written)."""
+    """What the patch would do, and the new index document (not written).
+
+    The target must be a directory of the toolkit's (a hybrid_merge.py output, a fetched copy), other
+    than the source: a directory someone else made is refused when the patch would change it.
+    """
+    _check_mtp_target(source, target)
     src_extra = source / extra_file
     if not src_extra.is_file():
         raise CheckpointError(
@@ -442,6 +463,12 @@ def plan_mtp_patch(source: Path, target: Path, extra_file: str = EXTRA_FILE) -> 
         entries_after=len(wm),
         mtp_tensors=len(names),
     )
+    if result.changed and not made_by_toolkit(target, legacy=(MERGE_RECORD, SOURCE_RECORD)):
+        raise OutputRefused(
+            f"{target}: target was not created by this toolkit (no {OWNER_MARKER}); the patch would rewrite "
+            f"its index{' and replace ' + extra_file if copy_needed and tgt_extra.exists() else ''}: "
+            "patch the output of hybrid_merge.py, or a copy made with fetch_checkpoint.py mirror"
+        )
     return result, new_doc
 
 

@@ -61,7 +61,7 @@ def vllm_module():
 
 @pytest.fixture(scope="session")
 def group_vars():
-    base = ROOT / "inventory" / "group_vars" / "all"
+    base = ROOT / "group_vars" / "all"
     doc = yaml.safe_load((base / "methods.yml").read_text())
     doc.update(yaml.safe_load((base / "main.yml").read_text()))
     return doc

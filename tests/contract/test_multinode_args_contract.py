@@ -35,7 +35,7 @@ def _three_sparks(tmp_path: Path) -> Path:
         "ansible_host": "spark-03.lan", "spark_link_addresses": ["192.168.100.12/24", "192.168.101.12/24"]}
     inventory_dir = tmp_path / "inventory"
     inventory_dir.mkdir()
-    (inventory_dir / "group_vars").symlink_to(ROOT / "inventory" / "group_vars")
+    (inventory_dir / "group_vars").symlink_to(ROOT / "group_vars")
     path = inventory_dir / "three-sparks.yml"
     path.write_text(yaml.safe_dump(doc))
     return path

@@ -81,9 +81,42 @@ def test_unpinned_refused_unless_allowed(tmp_path: Path, source: tuple[Path, str
                                allow_unpinned=True) == 2
 
 
-def test_shipped_manifest_is_marked_unpinned() -> None:
+SPECBENCH_COMMIT = "fd2c1cd7d2201ef71db4c5f4e455008f017967bf"
+SPECBENCH_SHA256 = "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04"
+
+
+def test_shipped_manifest_is_pinned() -> None:
     m = json.loads(bench.SPECBENCH_MANIFEST.read_text())
-    assert bench.UNPINNED in m["sha256"] and "{commit}" in m["url_template"]
+    assert m["commit"] == SPECBENCH_COMMIT and m["sha256"] == SPECBENCH_SHA256 and m["lines"] == 480
+    url = m["url_template"].format(commit=m["commit"])
+    assert url == ("https://raw.githubusercontent.com/hemingkx/Spec-Bench/"
+                   f"{SPECBENCH_COMMIT}/data/spec_bench/question.jsonl")
+
+
+def test_pinned_manifest_verifies_the_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped manifest, with the download replaced by a local fake: the sha256 decides."""
+    m = json.loads(bench.SPECBENCH_MANIFEST.read_text())
+    seen: list[str] = []
+    fake = tmp_path / "fake.jsonl"
+    fake.write_text("\n".join(json.dumps(x) for x in LINES) + "\n")
+
+    def urlopen(url: str, timeout: float = 0):  # noqa: ARG001 - same signature as urllib's
+        seen.append(url)
+        return fake.open("rb")
+
+    monkeypatch.setattr(bench.urllib.request, "urlopen", urlopen)
+    dest = tmp_path / "sb.jsonl"
+    rc = bench.main(["fetch-prompts", "--source", "specbench", "--dest", str(dest)])
+    assert rc == 1 and not dest.exists()  # the fake's sha256 is not the pinned one
+    assert seen == [m["url_template"].format(commit=SPECBENCH_COMMIT)]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".download")] == []
+    # the same check passes for a file whose sha256 matches the pin (here: the fake, pinned by hand)
+    sha = hashlib.sha256(fake.read_bytes()).hexdigest()
+    pinned = {**m, "sha256": sha, "lines": 2}
+    assert bench.fetch_prompts(pinned, dest) == 2
+    # ...and a pinned line count that disagrees is refused too
+    with pytest.raises(SystemExit, match="the pinned file has 3"):
+        bench.fetch_prompts({**pinned, "lines": 3}, tmp_path / "other.jsonl")
 
 
 def test_shipped_prompt_set() -> None:

@@ -110,10 +110,10 @@ def test_bad_ranges_are_caught(pair: GeneratedPair, tmp_path: Path, mode: str, m
 
 def test_missing_repo_and_no_match(pair: GeneratedPair, tmp_path: Path) -> None:
     with RangeServer(pair.fp8_dir, repo="other/repo") as srv:
-        r = extract(srv, tmp_path / "x.safetensors")
+        r = extract(srv, tmp_path / "ext" / "x.safetensors")
     assert r.returncode == 1 and "HTTP 404" in r.stderr
     with RangeServer(pair.fp8_dir, repo=REPO) as srv:
-        r = extract(srv, tmp_path / "x.safetensors", "--pattern", "nothing_matches_this")
+        r = extract(srv, tmp_path / "ext" / "x.safetensors", "--pattern", "nothing_matches_this")
     assert r.returncode == 1 and "no FP8 tensors" in r.stderr
 
 
@@ -190,7 +190,8 @@ def test_corrupt_mirror_file_caught(pair: GeneratedPair, tmp_path: Path) -> None
 
 
 def test_mirror_without_manifest(tmp_path: Path) -> None:
-    r = run("mirror", "--src", str(tmp_path), "--dest", str(tmp_path / "d"))
+    (tmp_path / "mirror").mkdir()
+    r = run("mirror", "--src", str(tmp_path / "mirror"), "--dest", str(tmp_path / "d"))
     assert r.returncode == 1 and "manifest missing" in r.stderr and "manifest" in r.stderr
 
 

@@ -14,6 +14,7 @@ import pytest
 from fixtures.make_checkpoints import LM, GenConfig, GeneratedPair, generate
 from safetensors import safe_open
 from sparkllm import checkpoint as ck
+from sparkllm.outdir import MARKER
 from sparkllm.safetensors_io import INDEX_NAME, TensorInfo, read_header, read_index
 from sparkllm.safetensors_io import read_tensor_bytes as tensor_bytes
 
@@ -210,24 +211,41 @@ def test_crash_mid_merge_leaves_no_output_and_rerun_succeeds(
     assert "No space left" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob("out.tmp-*"))
     monkeypatch.setattr(hybrid_merge, "copy_ranges", real)
-    # a hard kill leaves a temp dir behind: the next run removes it
+    # a hard kill leaves a (marked) temp dir behind: the next run removes it
     stale = tmp_path / "out.tmp-999999999"
     stale.mkdir()
     (stale / "model-00001-of-00003.safetensors").write_bytes(b"partial")
+    (stale / MARKER).write_text('{"tool": "hybrid_merge"}')
     old = tmp_path / "out.old-999999998"  # killed between the two renames
     old.mkdir()
+    (old / hybrid_merge.RECORD_NAME).write_text("{}")  # an output of an older version
+    foreign = tmp_path / "out.tmp-999999997"  # same name pattern, not ours: left alone
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
     assert merge(pair, out) == 0
     assert not stale.exists() and not old.exists()
+    assert (foreign / "notes.txt").read_text() == "mine"
     assert ck.verify_checkpoint(out, expect_mtp=True, expect_hybrid=True).ok
 
 
-def test_existing_output_replaced_atomically(pair: GeneratedPair, tmp_path: Path) -> None:
+def test_own_earlier_output_replaced_atomically(pair: GeneratedPair, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "junk.safetensors").write_bytes(b"x")
+    assert merge(pair, out) == 0
+    (out / "junk.safetensors").write_bytes(b"x")  # our output, damaged: replaced as a whole
+    shard = next(out.glob("model-*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
     assert merge(pair, out) == 0
     assert not (out / "junk.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out.")] == []
+
+
+def test_empty_existing_output_is_used(pair: GeneratedPair, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    assert merge(pair, out) == 0
+    assert ck.verify_checkpoint(out, expect_mtp=True, expect_hybrid=True).ok
+    assert json.loads((out / MARKER).read_text())["tool"] == "hybrid_merge"
 
 
 @pytest.mark.parametrize("damage", ["truncate", "header"])
@@ -275,7 +293,7 @@ def test_corrupt_fp8_shard_named(pair: GeneratedPair, tmp_path: Path, capsys) ->
     assert not (tmp_path / "out").exists()
 
 
-def test_usage_errors_exit_2_and_missing_dirs_exit_1(tmp_path: Path, capsys) -> None:
+def test_usage_errors_and_missing_dirs_exit_2(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         hybrid_merge.main(["--int4", "x"])
     assert exc.value.code == 2
@@ -283,7 +301,7 @@ def test_usage_errors_exit_2_and_missing_dirs_exit_1(tmp_path: Path, capsys) -> 
         hybrid_merge.main(
             ["--int4", str(tmp_path / "no"), "--fp8", str(tmp_path), "--out", str(tmp_path / "o")]
         )
-        == 1
+        == 2
     )
     assert "--int4 directory does not exist" in capsys.readouterr().err
 

@@ -165,7 +165,8 @@ def test_module_check_mode_diff_apply_idempotent(
 
 
 def test_module_fails_on_missing_extra_file(module, pair: GeneratedPair, hybrid_without_mtp: Path, capsys):
-    res = run_module(module, capsys, source=str(hybrid_without_mtp), target=str(hybrid_without_mtp))
+    (pair.int4_dir / ck.EXTRA_FILE).unlink()
+    res = run_module(module, capsys, source=str(pair.int4_dir), target=str(hybrid_without_mtp))
     assert res["failed"] is True and "MTP extra file missing" in res["msg"]
 
 

@@ -18,7 +18,7 @@ from spark_methods import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-GROUP_VARS = ROOT / "inventory" / "group_vars" / "all"
+GROUP_VARS = ROOT / "group_vars" / "all"
 METHODS = ("baseline", "ngram", "mtp", "eagle3", "dflash")
 
 

@@ -46,7 +46,7 @@ def test_grid_and_hash() -> None:
     assert sweep.CellConfig("mtp", 2).config_hash == cfgs[2].config_hash
     assert sweep.expand_grid(["mtp"], [2], {"serve_gpu_memory_utilization": 0.85})[0].config_hash != \
         cfgs[2].config_hash
-    with pytest.raises(SystemExit, match="unknown method"):
+    with pytest.raises(sweep.UsageError, match="unknown method"):
         sweep.expand_grid(["medusa2"], [2], {})
     ev = cfgs[1].extravars(3, Path("/r"))
     assert ev["spec_method"] == "mtp" and ev["spec_num_speculative_tokens"] == 1
@@ -67,7 +67,7 @@ def test_interleaved_and_best(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert last.extravars["spec_num_speculative_tokens"] == 2
     out = capsys.readouterr().out
     assert "best configuration: mtp-k2" in out
-    assert (tmp_path / "res" / "report.md").exists()
+    assert (tmp_path / "res" / "report" / "report.md").exists()
 
 
 def test_resume_skips_recorded_cells(tmp_path: Path) -> None:

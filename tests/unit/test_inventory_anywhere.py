@@ -1,0 +1,98 @@
+"""The toolkit's settings load for an inventory at any path; bad -e input is refused by validation.
+
+Runs the real ansible-playbook against copies of the example inventories placed outside the
+repository. Only the validation play (tagged ``always``) and the roles' argument-spec checks run: the
+tag selects no task that would contact a host, so the ssh hosts of the examples are never reached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "inventory" / "examples"
+NO_STAGE_TAG = "sparkllm-validation-only"  # matches no task: only `always` (validation) runs
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("ansible-playbook", path=str(Path(sys.executable).parent)) is None
+    and shutil.which("ansible-playbook") is None,
+    reason="ansible-playbook not installed",
+)
+
+
+def ansible_playbook(inventory: Path, playbook: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["ANSIBLE_CONFIG"] = str(ROOT / "ansible.cfg")
+    env["ANSIBLE_NOCOLOR"] = "1"
+    env.pop("ANSIBLE_INVENTORY", None)
+    return subprocess.run(
+        ["ansible-playbook", "-i", str(inventory), playbook, *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def outside_inventory(tmp_path: Path) -> Path:
+    """A copy of the README's remote-Spark example, outside the repository (nothing next to it)."""
+    inv = tmp_path / "elsewhere" / "my-spark.yml"
+    inv.parent.mkdir()
+    shutil.copy(EXAMPLES / "remote-spark.yml", inv)
+    return inv
+
+
+@pytest.mark.parametrize("example", ["remote-spark.yml", "two-sparks.yml"])
+def test_site_validation_passes_with_an_inventory_outside_the_repo(tmp_path: Path, example: str) -> None:
+    inv = tmp_path / example
+    shutil.copy(EXAMPLES / example, inv)
+    before = tree_digest(tmp_path)
+    r = ansible_playbook(inv, "site.yml", "--tags", NO_STAGE_TAG, "-e", "spec_method=mtp")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "is undefined" not in out
+    assert "Check spec_method and every serving knob against the method catalogue" in out
+    assert tree_digest(tmp_path) == before  # validation wrote nothing next to the inventory
+
+
+def test_stage_playbook_alone_finds_the_settings(outside_inventory: Path) -> None:
+    r = ansible_playbook(outside_inventory, "playbooks/validate.yml", "-e", "spec_method=ngram")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+
+# The playbook's rows of the bad-input table: (extra vars, what the one message must name).
+BAD_E = [
+    (["-e", "spec_method=bogus"], "spec_method='bogus' is not a known method"),
+    (["-e", "spec_method=eagle3"], "spec_eagle3_drafter"),
+    (["-e", "bench_force=yes"], "bench_force must be a boolean"),
+    (["-e", "spec_num_speculative_tokens=3"], "spec_num_speculative_tokens"),
+]
+
+
+@pytest.mark.parametrize(("extra", "needle"), BAD_E, ids=[e[1][:30] for e in BAD_E])
+def test_bad_input_is_refused_before_any_host_is_touched(
+    outside_inventory: Path, extra: list[str], needle: str
+) -> None:
+    before = tree_digest(outside_inventory.parent)
+    r = ansible_playbook(outside_inventory, "site.yml", "--tags", NO_STAGE_TAG, *extra)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]  # ansible-playbook: a task failed
+    assert needle in out, out[-3000:]
+    assert "Traceback" not in out and "is undefined" not in out
+    assert "UNREACHABLE" not in out  # refused in validation, before any connection
+    assert tree_digest(outside_inventory.parent) == before
