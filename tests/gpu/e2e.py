@@ -245,7 +245,7 @@ def load_catalogue() -> dict:
     if _CATALOGUE is None:
         import yaml
 
-        doc = yaml.safe_load((ROOT / "inventory/group_vars/all/methods.yml").read_text())
+        doc = yaml.safe_load((ROOT / "group_vars/all/methods.yml").read_text())
         _CATALOGUE = doc["spark_method_catalogue"]
     return _CATALOGUE
 
@@ -465,6 +465,12 @@ def main(argv: list[str] | None = None) -> int:
                       if re.search(r"Error|error:|missing|not found", ln)][-4:],
             "mtp_lines": [ln[:200] for ln in text["recipe-mtp"].splitlines()
                           if re.search(r"(?i)mtp|draft|speculat", ln)][:6]}
+        if "recipe-mtp" in results:
+            m = scrape(rec)
+            summary["recipe_without_mtp_index_patch"].update(
+                drafts=m.get(DRAFTS), draft_tokens=m.get(DRAFT_TOKENS), accepted=m.get(ACCEPTED),
+                same_tokens_as_baseline=compare(results["hybrid-base"], results["recipe-mtp"])["same_tokens"]
+                if "hybrid-base" in results else None)
         check("recipe variant (no MTP index patch) outcome recorded", True,
               summary["recipe_without_mtp_index_patch"])
 
