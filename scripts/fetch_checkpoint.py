@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -178,15 +179,34 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------ remote (HTTP Range) access
 
 
+TRANSIENT_HTTP = (408, 425, 429, 500, 502, 503, 504)
+
+
+class TransientError(FetchError):
+    """A failure worth another try: a 5xx/429 answer, a reset or timed-out connection, a body that
+    stopped early."""
+
+
 @dataclass
 class Remote:
+    """The Hub's resolve endpoint, read with (range) GETs.
+
+    Redirects (the Hub sends resolve URLs to its content servers) are followed by urllib, which keeps
+    the Range header and drops the token (an unredirected header) on the way. Transient failures are
+    retried ``retries`` times with exponential backoff (``backoff_s``, doubled each time); a range
+    whose body stopped early resumes from the first byte not yet received.
+    """
+
     endpoint: str
     repo: str
     revision: str
     token: str | None = None
     timeout: float = 60.0
+    retries: int = 4
+    backoff_s: float = 1.0
     bytes_received: int = 0
     commit: str | None = None
+    retried: int = 0
 
     def url(self, file: str) -> str:
         return f"{self.endpoint}/{self.repo}/resolve/{quote(self.revision, safe='')}/{quote(file)}"
@@ -198,42 +218,83 @@ class Remote:
         if self.token:
             # unredirected: never forwarded to the CDN a resolve URL redirects to
             req.add_unredirected_header("Authorization", f"Bearer {self.token}")
+        where = f"{self.repo}/{file}@{self.revision}"
         try:
             resp = urllib.request.urlopen(req, timeout=self.timeout)  # noqa: S310 - https endpoint
         except urllib.error.HTTPError as exc:
+            if exc.code in TRANSIENT_HTTP:
+                raise TransientError(f"{where}: HTTP {exc.code}") from None
             hint = " (gated or private repo: provide a token)" if exc.code in (401, 403) else ""
-            raise FetchError(f"{self.repo}/{file}@{self.revision}: HTTP {exc.code}{hint}") from None
+            raise FetchError(f"{where}: HTTP {exc.code}{hint}") from None
         except (urllib.error.URLError, OSError) as exc:
-            raise FetchError(f"{self.repo}/{file}@{self.revision}: {exc}") from None
+            raise TransientError(f"{where}: {getattr(exc, 'reason', exc)}") from None
         self.commit = self.commit or resp.headers.get("X-Repo-Commit")
         return resp
 
+    def _retrying(self, what: Callable[[], Any]) -> Any:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return what()
+            except TransientError as exc:
+                if attempt == self.retries:
+                    raise FetchError(f"{exc} (gave up after {self.retries + 1} attempts)") from None
+                self.retried += 1
+                log(f"transient: {exc}; retrying in {delay:g} s ({self.retries - attempt} left)")
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
     def get(self, file: str) -> bytes:
-        with self._open(file, None) as resp:
-            body = resp.read()
+        def once() -> bytes:
+            with self._open(file, None) as resp:
+                try:
+                    return resp.read()
+                except (OSError, http.client.HTTPException) as exc:
+                    raise TransientError(f"{self.repo}/{file}@{self.revision}: {exc}") from None
+
+        body = self._retrying(once)
         self.bytes_received += len(body)
         return body
 
     def stream_range(self, file: str, offset: int, length: int, sink: Callable[[bytes], None]) -> int | None:
-        """Feed exactly ``length`` bytes at ``offset`` to ``sink``; returns the remote file size."""
-        with self._open(file, (offset, length)) as resp:
-            where = f"{self.repo}/{file}@{self.revision} bytes {offset}+{length}"
-            if resp.status != 206:
-                raise FetchError(f"{where}: expected HTTP 206 for a range request, got {resp.status}")
-            m = CONTENT_RANGE_RE.match(resp.headers.get("Content-Range", ""))
-            if m is None or int(m.group(1)) != offset or int(m.group(2)) != offset + length - 1:
-                raise FetchError(f"{where}: wrong Content-Range {resp.headers.get('Content-Range')!r}")
-            got = 0
-            while got < length:
-                block = resp.read(min(CHUNK, length - got))
-                if not block:
-                    break
-                sink(block)
-                got += len(block)
-            self.bytes_received += got
-            if got != length or resp.read(1):
-                raise FetchError(f"{where}: short or long body ({got} bytes received, {length} requested)")
-            return int(m.group(3)) if m.group(3) != "*" else None
+        """Feed exactly ``length`` bytes at ``offset`` to ``sink``; returns the remote file size.
+
+        A body that ends early is resumed from the first missing byte (each resume that brings no
+        byte counts as a failed attempt); wrong Content-Range or too many bytes are not retried."""
+        got = 0
+        size: int | None = None
+
+        def once() -> None:
+            nonlocal got, size
+            start, want = offset + got, length - got
+            where = f"{self.repo}/{file}@{self.revision} bytes {start}+{want}"
+            with self._open(file, (start, want)) as resp:
+                if resp.status != 206:
+                    raise FetchError(f"{where}: expected HTTP 206 for a range request, got {resp.status}")
+                m = CONTENT_RANGE_RE.match(resp.headers.get("Content-Range", ""))
+                if m is None or int(m.group(1)) != start or int(m.group(2)) != start + want - 1:
+                    raise FetchError(f"{where}: wrong Content-Range {resp.headers.get('Content-Range')!r}")
+                size = int(m.group(3)) if m.group(3) != "*" else None
+                before = got
+                try:
+                    while got < length:
+                        block = resp.read(min(CHUNK, length - got))
+                        if not block:
+                            break
+                        sink(block)
+                        got += len(block)
+                        self.bytes_received += len(block)
+                except (OSError, http.client.HTTPException) as exc:
+                    lost = f"{where}: connection lost after {got - before} bytes ({exc})"
+                    raise TransientError(lost) from None
+                if got < length:
+                    raise TransientError(f"{where}: short body ({got - before} of {want} bytes)")
+                if resp.read(1):
+                    raise FetchError(f"{where}: long body (more than the {want} bytes requested)")
+
+        self._retrying(once)
+        return size
 
     def get_range(self, file: str, offset: int, length: int) -> tuple[bytes, int | None]:
         parts: list[bytes] = []
@@ -625,6 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     remote_args(sp)
+    sp.add_argument("--retries", type=int, default=4,
+                    help="retries of a transient failure (5xx, 429, lost connection) per request (default 4)")
+    sp.add_argument("--retry-backoff-s", type=float, default=1.0,
+                    help="first wait before a retry in seconds, doubled each time (default 1.0)")
     sp.add_argument("--dest", required=True, type=Path, help="destination safetensors FILE")
     sp.add_argument(
         "--pattern", default="shared_expert", help="regex on tensor names"
@@ -671,7 +736,9 @@ def run(a: argparse.Namespace) -> dict[str, object]:
     token = read_token(a.token_file)
     endpoint = endpoint_of(a.endpoint)
     if a.cmd == "fp8-extract":
-        return fp8_extract(Remote(endpoint, a.repo, a.revision, token), a.dest, a.pattern)
+        remote = Remote(endpoint, a.repo, a.revision, token, retries=max(0, a.retries),
+                        backoff_s=max(0.0, a.retry_backoff_s))
+        return fp8_extract(remote, a.dest, a.pattern)
     include = a.include or (["*.safetensors", "*.json"] if a.cmd == "full" else [])
     client = HfHubClient(a.repo, a.revision, endpoint, token)
     return hub_fetch(client, a.repo, a.revision, a.dest, include)
