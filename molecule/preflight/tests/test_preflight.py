@@ -86,6 +86,13 @@ def test_disk_shortage_names_need_and_fix():
     assert "spark_model_root" in res.output
 
 
+def test_docker_data_root_shortage_names_need_and_fix():
+    res = run_playbook("site.yml", {"preflight_docker_image_bytes": 10**18}, tags="preflight")
+    assert res.rc != 0
+    assert "Not enough disk for Docker's data root" in res.output
+    assert "data-root" in res.output and "docker image prune" in res.output
+
+
 def test_too_little_memory_is_refused():
     res = run_playbook("site.yml", {"preflight_min_memory_gib": 100000}, tags="preflight")
     assert res.rc != 0
