@@ -661,6 +661,21 @@ def _settled_snapshot(ep: Endpoint, expect_tokens: int, before: MetricsSnapshot)
     return snap
 
 
+def _quiet_snapshot(ep: Endpoint, tries: int = 20, interval: float = 0.05) -> MetricsSnapshot:
+    """A scrape taken once the server's token counter has stopped moving (two equal readings), so
+    tokens of requests that already answered (warm-up, probe) are not counted in the next phase."""
+    snap = ep.metrics()
+    for _ in range(tries):
+        if not snap.ok:
+            break
+        time.sleep(interval)
+        nxt = ep.metrics()
+        if nxt.ok and nxt.total(M_GEN) == snap.total(M_GEN):
+            return nxt
+        snap = nxt
+    return snap
+
+
 def _blocks(prompts: list[Prompt], repeats: int, concurrency: int) -> list[list[tuple[Prompt, int]]]:
     """Measured work. At concurrency 1 one block per category (so /metrics can be diffed per
     category); otherwise one block with every request."""
@@ -855,7 +870,7 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     blocks = _blocks(prompts, opts.repeats, opts.concurrency)
     total = sum(len(b) for b in blocks)
     prog = Progress(total, opts.label, opts.progress)
-    snap0 = ep.metrics()
+    snap0 = _quiet_snapshot(ep)
     sampler = RunningSampler(ep, opts.sample_interval, snap0)
     sampler.start()
     results: list[RequestResult] = []
