@@ -179,6 +179,7 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------ remote (HTTP Range) access
 
 
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 TRANSIENT_HTTP = (408, 425, 429, 500, 502, 503, 504)
 
 
@@ -207,6 +208,10 @@ class Remote:
     bytes_received: int = 0
     commit: str | None = None
     retried: int = 0
+    requested: str = ""  # the revision asked for (a branch, tag or commit); revision becomes the commit
+
+    def __post_init__(self) -> None:
+        self.requested = self.requested or self.revision
 
     def url(self, file: str) -> str:
         return f"{self.endpoint}/{self.repo}/resolve/{quote(self.revision, safe='')}/{quote(file)}"
@@ -228,7 +233,15 @@ class Remote:
             raise FetchError(f"{where}: HTTP {exc.code}{hint}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise TransientError(f"{where}: {getattr(exc, 'reason', exc)}") from None
-        self.commit = self.commit or resp.headers.get("X-Repo-Commit")
+        named = resp.headers.get("X-Repo-Commit")
+        if self.commit is None and named and COMMIT_RE.fullmatch(named):
+            self.commit = named
+            if self.revision != named:
+                # every later request of this fetch reads the same commit, even if the branch moves
+                log(f"{self.repo}: revision {self.revision} is commit {named}; this fetch reads that commit")
+                self.revision = named
+        elif named and self.commit and named != self.commit:
+            raise FetchError(f"{where}: the Hub answered from commit {named}, not {self.commit}")
         return resp
 
     def _retrying(self, what: Callable[[], Any]) -> Any:
@@ -406,7 +419,7 @@ def fp8_extract(remote: Remote, dest: Path, pattern: str) -> dict[str, object]:
     claim_dir(dest.parent, flag="--dest's directory")
     record_path = dest.parent / SOURCE_RECORD
     old = _read_json(record_path)
-    if dest.is_file() and old.get("repo") == remote.repo and old.get("revision") == remote.revision:
+    if dest.is_file() and old.get("repo") == remote.repo and old.get("revision") == remote.requested:
         try:
             if old.get("pattern") == pattern and read_header(dest).digest == old.get("header_sha256"):
                 return {"changed": False, **old}
@@ -423,7 +436,7 @@ def fp8_extract(remote: Remote, dest: Path, pattern: str) -> dict[str, object]:
     )
     record = {
         "repo": remote.repo,
-        "revision": remote.revision,
+        "revision": remote.requested,
         "commit": remote.commit,
         "mode": "fp8-extract",
         "pattern": pattern,
@@ -477,7 +490,19 @@ class HfHubClient:
 
         return HfApi(endpoint=self.endpoint, token=self.token)
 
+    def pin(self) -> str:
+        """Resolve a branch or tag to its commit once, so every later call of this fetch reads that
+        commit (a push during a long download cannot splice two commits)."""
+        if not COMMIT_RE.fullmatch(self.revision):
+            sha = getattr(self._api().model_info(self.repo, revision=self.revision), "sha", None)
+            if not sha or not COMMIT_RE.fullmatch(sha):
+                raise FetchError(f"{self.repo}@{self.revision}: the Hub did not name the commit ({sha!r})")
+            log(f"{self.repo}: revision {self.revision} is commit {sha}; this fetch reads that commit")
+            self.revision = sha
+        return self.revision
+
     def list_files(self) -> list[RemoteFile]:
+        self.pin()
         api = self._api()
         names = api.list_repo_files(self.repo, revision=self.revision)
         out = []
@@ -505,7 +530,7 @@ class HfHubClient:
         )
 
     def commit(self) -> str | None:
-        return getattr(self._api().model_info(self.repo, revision=self.revision), "sha", None)
+        return self.pin()
 
 
 def verify_file(path: Path, rf: RemoteFile) -> None:

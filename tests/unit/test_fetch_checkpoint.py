@@ -292,7 +292,12 @@ def test_hf_hub_client_maps_hub_metadata(monkeypatch: pytest.MonkeyPatch, tmp_pa
         def __init__(self, endpoint: str, token: str | None) -> None:
             calls["api"] = (endpoint, token)
 
+        def model_info(self, repo: str, revision: str):
+            calls.setdefault("model_info", []).append(revision)
+            return type("Info", (), {"sha": "9" * 40})()
+
         def list_repo_files(self, repo: str, revision: str) -> list[str]:
+            assert revision == "9" * 40  # pinned before the first listing
             return ["a.safetensors", "config.json", "sub"]
 
         def get_paths_info(self, repo: str, paths: list[str], revision: str, expand: bool) -> list:
@@ -320,7 +325,8 @@ def test_hf_hub_client_maps_hub_metadata(monkeypatch: pytest.MonkeyPatch, tmp_pa
         fc.RemoteFile("config.json", 3, None, "c" * 40),
     ]
     assert client.download("a.safetensors", tmp_path) == tmp_path / "a.safetensors"
-    assert calls["download"] == ("o/r", "a.safetensors", "rev", SECRET, "http://hub")
+    assert calls["download"] == ("o/r", "a.safetensors", "9" * 40, SECRET, "http://hub")
+    assert client.commit() == "9" * 40 and calls["model_info"] == ["rev"]  # resolved once
 
 
 def test_fp8_extract_as_the_hub_serves_it(pair: GeneratedPair, tmp_path: Path) -> None:
@@ -352,3 +358,18 @@ def test_fp8_extract_gives_up_after_its_retries(pair: GeneratedPair, tmp_path: P
     assert r.returncode == 1 and "HTTP 503" in r.stderr and "gave up after 3 attempts" in r.stderr
     assert sent == 3
     assert not dest.exists()
+
+
+def test_fp8_extract_reads_one_commit_even_if_the_branch_moves(pair: GeneratedPair, tmp_path: Path) -> None:
+    """The first answer names the commit; every later request asks for that commit by name, so a
+    push to the branch during the fetch cannot mix two commits."""
+    dest = tmp_path / "ext" / "x.safetensors"
+    with RangeServer(pair.fp8_dir, repo=REPO) as srv:
+        r = extract(srv, dest)
+        paths = [p for p, _ in srv.state.requests]
+        commit = srv.state.commit
+    assert r.returncode == 0, r.stderr
+    assert "/resolve/main/" in paths[0]
+    assert all(f"/resolve/{commit}/" in p for p in paths[1:]) and len(paths) > 2
+    record = json.loads((dest.parent / ".sparkllm_source.json").read_text())
+    assert record["revision"] == "main" and record["commit"] == commit
