@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkllm.cli import HelpFormatter
+from sparkllm.fileio import sha256_file, write_bytes_atomic
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
 DEFAULT_PROMPTS = SCRIPTS_DIR / "prompts" / "prompts.jsonl"
@@ -1019,17 +1020,7 @@ def store_run(conn: sqlite3.Connection, doc: dict[str, Any]) -> bool:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=1, sort_keys=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_bytes_atomic(path, json.dumps(obj, indent=1, sort_keys=False).encode("utf-8"))
 
 
 def is_run_doc(obj: Any) -> bool:
@@ -1234,14 +1225,6 @@ def cmd_import(a: argparse.Namespace) -> int:
 # fetch-prompts
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def convert_specbench(src: Path, dest: Path) -> int:
     """Spec-Bench question.jsonl ({question_id, category, turns[]}) -> our JSONL (first turn only)."""
     lines = []
@@ -1255,9 +1238,7 @@ def convert_specbench(src: Path, dest: Path) -> int:
                                      "messages": [{"role": "user", "content": turn}]}))
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise SystemExit(f"{src}:{no}: not a Spec-Bench question line ({exc})") from exc
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, dest)
+    write_bytes_atomic(dest, ("\n".join(lines) + "\n").encode("utf-8"))
     return len(lines)
 
 
@@ -1278,7 +1259,7 @@ def fetch_prompts(manifest: dict[str, Any], dest: Path, url: str | None = None, 
     try:
         with os.fdopen(fd, "wb") as fh, urllib.request.urlopen(url, timeout=120) as r:  # noqa: S310
             shutil.copyfileobj(r, fh)
-        got = _sha256_file(tmp)
+        got = sha256_file(tmp)
         if pinned and got != want:
             raise SystemExit(f"sha256 mismatch for {url}: expected {want}, got {got}; refusing to use it "
                              "(wrong commit or tampered download)")

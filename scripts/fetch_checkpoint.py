@@ -69,6 +69,7 @@ from sparkllm.checkpoint import (
     scale_name,
 )
 from sparkllm.cli import HelpFormatter
+from sparkllm.fileio import atomic_write, fsync_dir, sha256_file, write_json_atomic
 from sparkllm.outdir import OutputRefused, check_output_dir, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
@@ -80,10 +81,8 @@ from sparkllm.safetensors_io import (
     check_header_len,
     coalesce,
     encode_header,
-    fsync_dir,
     parse_header_bytes,
     read_header,
-    write_json_atomic,
 )
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -153,14 +152,6 @@ def check_disk_space(dest_dir: Path, needed: int) -> None:
             f"{dest_dir}: not enough disk space: need {gib(want)} ({gib(needed)} + margin), "
             f"{gib(free)} free; free up space or choose a --dest on a larger filesystem"
         )
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK * 4):
-            h.update(block)
-    return h.hexdigest()
 
 
 def git_blob_sha1(path: Path) -> str:
@@ -392,24 +383,17 @@ def select_tensors(remote: Remote, pattern: re.Pattern[str]) -> Selection:
 
 
 def fetch_selection(remote: Remote, sel: Selection, dest: Path) -> Header:
-    tmp = dest.with_name(f".{dest.name}.incomplete-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as out:
-            out.write(encode_header(TensorSpec(t.name, t.dtype, t.shape) for t in sel.tensors))
-            for file in sorted({t.file for t in sel.tensors}):
-                ranges = [ByteRange(t.offset, t.length) for t in sel.tensors if t.file == file]
-                for r in coalesce(ranges):
-                    remote.stream_range(file, r.offset, r.length, out.write)
-                log(f"fetched {sum(x.length for x in ranges)} bytes from {file}")
-            out.flush()
-            os.fsync(out.fileno())
-        header = read_header(tmp)
+    with atomic_write(dest, tag="incomplete") as out:
+        out.write(encode_header(TensorSpec(t.name, t.dtype, t.shape) for t in sel.tensors))
+        for file in sorted({t.file for t in sel.tensors}):
+            ranges = [ByteRange(t.offset, t.length) for t in sel.tensors if t.file == file]
+            for r in coalesce(ranges):
+                remote.stream_range(file, r.offset, r.length, out.write)
+            log(f"fetched {sum(x.length for x in ranges)} bytes from {file}")
+        out.flush()
+        header = read_header(out.name)
         if header.data_size != sel.nbytes:
             raise FetchError(f"{dest}: wrote {header.data_size} data bytes, expected {sel.nbytes}")
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
     return read_header(dest)
 
 
@@ -537,7 +521,7 @@ def verify_file(path: Path, rf: RemoteFile) -> None:
     size = path.stat().st_size
     if size != rf.size:
         raise FetchError(f"{path}: size {size} != Hub size {rf.size}")
-    if rf.sha256 and sha256_of(path) != rf.sha256:
+    if rf.sha256 and sha256_file(path) != rf.sha256:
         raise FetchError(
             f"{path}: sha256 differs from the Hub's ({rf.sha256}); file deleted, rerun to refetch"
         )
@@ -591,25 +575,18 @@ def hub_fetch(
 
 def copy_verified(src: Path, dst: Path, entry: ManifestEntry) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.incomplete-{os.getpid()}")
     h = hashlib.sha256()
-    try:
-        with open(src, "rb") as fi, open(tmp, "wb") as fo:
-            while block := fi.read(CHUNK * 4):
-                h.update(block)
-                fo.write(block)
-            fo.flush()
-            os.fsync(fo.fileno())
-        size = tmp.stat().st_size
+    with open(src, "rb") as fi, atomic_write(dst, tag="incomplete") as fo:
+        while block := fi.read(CHUNK * 4):
+            h.update(block)
+            fo.write(block)
+        size = fo.tell()
         if size != entry.size:
             raise FetchError(
                 f"{src}: size {size} != manifest size {entry.size} (corrupt or incomplete mirror)"
             )
         if entry.sha256 and h.hexdigest() != entry.sha256:
             raise FetchError(f"{src}: sha256 differs from {MANIFEST_NAME} (corrupt mirror file)")
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:

@@ -58,6 +58,7 @@ from sparkllm.checkpoint import (
     read_source_record,
 )
 from sparkllm.cli import HelpFormatter
+from sparkllm.fileio import fsync_dir, write_json_atomic
 from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
@@ -66,9 +67,7 @@ from sparkllm.safetensors_io import (
     TensorSpec,
     copy_ranges,
     encode_header,
-    fsync_dir,
     header_digest,
-    write_json_atomic,
 )
 
 RECORD_NAME = ".sparkllm_merge.json"

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .fileio import fsync_dir, sha256_file, write_json_atomic
 from .outdir import MARKER as OWNER_MARKER
 from .outdir import OutputRefused, made_by_toolkit
 from .safetensors_io import (
@@ -26,11 +27,9 @@ from .safetensors_io import (
     SafetensorsError,
     TensorInfo,
     build_index,
-    fsync_dir,
     header_digest,
     read_header,
     read_index,
-    write_json_atomic,
 )
 
 EXTRA_FILE = "model_extra_tensors.safetensors"
@@ -266,14 +265,6 @@ def plan_merge(int4_dir: Path, fp8_dir: Path, extra_file: str = EXTRA_FILE) -> M
 
 
 # ------------------------------------------------------------------ fingerprints and manifests
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def dir_fingerprint(directory: Path) -> dict[str, object]:

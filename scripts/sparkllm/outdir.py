@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .safetensors_io import write_json_atomic
+from .fileio import write_json_atomic
 
 MARKER = ".sparkllm-owner.json"
 

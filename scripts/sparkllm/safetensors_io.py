@@ -373,30 +373,3 @@ def build_index(
     meta = dict(metadata or {})
     meta["total_size"] = total
     return {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write to a sibling temp file, fsync, rename over ``path``."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(p.parent)
-
-
-def write_json_atomic(path: str | os.PathLike[str], doc: object) -> None:
-    write_bytes_atomic(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode("utf-8"))

@@ -16,6 +16,7 @@ import pytest
 from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
 from fixtures.range_server import RangeServer
 from sparkllm import checkpoint as ck
+from sparkllm.fileio import sha256_file
 from sparkllm.safetensors_io import INDEX_NAME, read_header, read_index, read_tensor_bytes
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_checkpoint.py"
@@ -211,7 +212,7 @@ class FakeHub:
                 lfs = p.suffix == ".safetensors"
                 out.append(
                     fc.RemoteFile(
-                        p.name, p.stat().st_size, fc.sha256_of(p) if lfs else None, fc.git_blob_sha1(p)
+                        p.name, p.stat().st_size, sha256_file(p) if lfs else None, fc.git_blob_sha1(p)
                     )
                 )
         return out

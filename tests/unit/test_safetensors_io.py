@@ -12,6 +12,7 @@ import pytest
 from fixtures.make_checkpoints import GenConfig, generate
 from safetensors import safe_open
 from sparkllm import safetensors_io as sio
+from sparkllm.fileio import write_json_atomic
 from sparkllm.safetensors_io import ByteRange, SafetensorsError, TensorSpec
 
 
@@ -147,7 +148,7 @@ def test_index_build_and_read(tmp_path: Path) -> None:
     doc = sio.build_index(headers)
     assert doc["metadata"]["total_size"] == 8 + 8 + 3
     assert doc["weight_map"] == {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}
-    sio.write_json_atomic(tmp_path / sio.INDEX_NAME, doc)
+    write_json_atomic(tmp_path / sio.INDEX_NAME, doc)
     idx = sio.read_index(tmp_path / sio.INDEX_NAME)
     assert idx.files == ["a.safetensors", "b.safetensors"] and idx.total_size == 19
     write_file(tmp_path / "c.safetensors", [TensorSpec("z", "U8", (3,))])

@@ -114,6 +114,16 @@ def test_unit_conflicts_with_every_other_method(host, method):
     assert "Type=exec" in props and "Restart=on-failure" in props and "TimeoutStartUSec=20min" in props
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_units_come_from_the_user_template(host, method):
+    """serve_unit_template (host_vars) points at molecule/serve/templates/: every unit is rendered from
+    that copy, not from the project's templates/, and systemd loaded it as written."""
+    unit = host.file(f"/etc/systemd/system/{UNIT.format(method)}").content_string
+    assert "# User unit template (molecule serve" in unit
+    env = host.check_output(f"systemctl show -p Environment --value {UNIT.format(method)}")
+    assert "SPARKLLM_UNIT_TEMPLATE=molecule-serve-override" in env.split()
+
+
 def test_hf_token_only_in_the_root_only_secrets_file(host):
     hits = host.run(f"grep -rl {TOKEN} /etc/systemd/system /etc/sparkllm /etc/ansible").stdout.split()
     assert hits == [SECRETS]

@@ -1,0 +1,64 @@
+"""File helpers every tool shares: the sha256 of a file and the atomic write (standard library only).
+
+An atomic write goes to a sibling temporary file (same filesystem), is flushed and fsynced, and is
+renamed over its destination only when the whole write succeeded; the temporary file is removed on
+any failure, and the directory is fsynced after the rename so the new name survives a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+HASH_CHUNK = 1 << 22  # bytes per read() when hashing a file
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK) -> str:
+    """Hex sha256 of a file's bytes, read in ``chunk``-sized blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike[str], tag: str = "tmp") -> Iterator[BinaryIO]:
+    """Open ``.<name>.<tag>-<pid>`` next to ``path`` for binary writing; on a clean exit of the block,
+    fsync it and rename it over ``path``. The block may read the temporary file back (``f.name``,
+    after ``f.flush()``) and raise to refuse it: ``path`` is then left as it was."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{tag}-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(p.parent)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see ``atomic_write``)."""
+    with atomic_write(path) as f:
+        f.write(data)
+
+
+def write_json_atomic(path: str | os.PathLike[str], doc: object, indent: int = 2) -> None:
+    """``doc`` as indented JSON plus a newline, written atomically."""
+    write_bytes_atomic(path, (json.dumps(doc, indent=indent, sort_keys=False) + "\n").encode("utf-8"))

@@ -1,0 +1,99 @@
+"""Roles against the one source of each list: method choices come from the catalogue, and every
+option of a role's argument specs is documented in its README."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLES = sorted(p for p in (ROOT / "roles").iterdir() if (p / "meta" / "argument_specs.yml").is_file())
+
+
+def catalogue_methods() -> list[str]:
+    doc = yaml.safe_load((ROOT / "group_vars" / "all" / "methods.yml").read_text())
+    return list(doc["spark_method_catalogue"])
+
+
+def spec_options(role: Path) -> dict[str, dict]:
+    """Every option of every entry point of the role (main, and any other)."""
+    doc = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())
+    options: dict[str, dict] = {}
+    for entry in doc["argument_specs"].values():
+        options.update(entry.get("options") or {})
+    return options
+
+
+def test_roles_found() -> None:
+    assert len(ROLES) >= 9, [r.name for r in ROLES]
+
+
+def test_spec_method_choices_are_the_catalogue() -> None:
+    methods = catalogue_methods()
+    assert len(methods) >= 5
+    seen = []
+    for role in ROLES:
+        opt = spec_options(role).get("spec_method")
+        if opt is None:
+            continue
+        seen.append(role.name)
+        choices = opt.get("choices")
+        assert choices is not None, f"roles/{role.name}: spec_method has no choices"
+        assert sorted(choices) == sorted(methods) and len(choices) == len(set(choices)), (
+            f"roles/{role.name}/meta/argument_specs.yml: spec_method choices {choices} differ from the "
+            f"catalogue's methods {methods} (group_vars/all/methods.yml): update the choices"
+        )
+    assert {"serve", "bench"} <= set(seen), seen  # the test checks something
+
+
+def test_no_other_option_hard_codes_methods() -> None:
+    """Any option whose choices name a method must offer exactly the catalogue's methods."""
+    methods = set(catalogue_methods())
+    for role in ROLES:
+        for name, opt in spec_options(role).items():
+            choices = set(opt.get("choices") or [])
+            if choices & methods:
+                assert choices == methods, f"roles/{role.name}: {name} choices {sorted(choices)} vs catalogue"
+
+
+@pytest.mark.parametrize("role", ROLES, ids=lambda r: r.name)
+def test_readme_documents_every_option(role: Path) -> None:
+    readme = role / "README.md"
+    assert readme.is_file(), f"roles/{role.name} has no README.md"
+    text = readme.read_text()
+    missing = [name for name in spec_options(role) if not re.search(rf"`{re.escape(name)}`", text)]
+    assert not missing, f"roles/{role.name}/README.md does not mention (in backquotes) {missing}"
+
+
+@pytest.mark.parametrize("role", ROLES, ids=lambda r: r.name)
+def test_readme_names_its_facts_and_scenario(role: Path) -> None:
+    text = (role / "README.md").read_text()
+    assert re.search(r"(?im)^#+ .*\bfacts?\b", text), (
+        f"roles/{role.name}/README.md: no section on the facts it writes"
+    )
+    assert re.search(r"molecule/[a-z_]+", text), f"roles/{role.name}/README.md names no molecule scenario"
+
+
+def test_readme_variable_tables_are_generated_from_the_specs(capsys: pytest.CaptureFixture[str]) -> None:
+    import role_docs
+
+    assert role_docs.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_role_docs_check_names_a_stale_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    import role_docs
+
+    role = tmp_path / "roles" / "serve"
+    shutil.copytree(ROOT / "roles" / "serve", role)
+    readme = role / "README.md"
+    readme.write_text(readme.read_text().replace("| `serve_unit_template` |", "| `serve_unit_templat` |"))
+    assert role_docs.main(["--check", "--roles", str(tmp_path / "roles")]) == 1
+    assert "roles/serve/README.md: variable table differs" in capsys.readouterr().err
+    assert role_docs.main(["--roles", str(tmp_path / "roles")]) == 0  # rewrites it
+    assert "| `serve_unit_template` |" in readme.read_text()
+    assert role_docs.main(["--check", "--roles", str(tmp_path / "roles")]) == 0

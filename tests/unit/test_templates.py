@@ -1,0 +1,340 @@
+"""The user-customisable templates in templates/: each role takes its template through a variable that
+defaults there, and each template renders (with Ansible's filters, the role's defaults and the values
+its tasks compute) to what the Spark needs: the vLLM unit runs the image with the exact argv, the
+Ray unit runs `ray start` with its arguments, the netplan file is valid YAML, and so on."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+import yaml
+from ansible.plugins.filter.core import FilterModule as CoreFilters
+from ansible.plugins.filter.mathstuff import FilterModule as MathFilters
+from ansible.plugins.test.core import TestModule as CoreTests
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATES = ROOT / "templates"
+ROLES = ROOT / "roles"
+MANAGED = "Ansible managed"
+
+# role -> its template variables -> the file under templates/ each defaults to
+TEMPLATE_VARS = {
+    "serve": {
+        "serve_unit_template": "sparkllm-vllm.service.j2",
+        "serve_env_template": "sparkllm-vllm.env.j2",
+    },
+    "ray_cluster": {"ray_cluster_unit_template": "sparkllm-ray.service.j2"},
+    "spark_link": {
+        "spark_link_netplan_template": "netplan-link.yaml.j2",
+        "spark_link_env_template": "cluster.env.j2",
+    },
+    "vllm_build": {"vllm_build_dockerfile_template": "Dockerfile.j2"},
+}
+
+
+def env() -> jinja2.Environment:
+    # Ansible's template settings: trim_blocks on, the file's trailing newline kept.
+    e = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    e.filters.update(CoreFilters().filters())
+    e.filters.update(MathFilters().filters())
+    e.tests.update(CoreTests().tests())
+    return e
+
+
+def defaults(role: str) -> dict[str, Any]:
+    """The role's defaults that are plain values (templated ones are given by each test)."""
+    doc = yaml.safe_load((ROLES / role / "defaults" / "main.yml").read_text())
+    return {k: v for k, v in doc.items() if not (isinstance(v, str) and "{{" in v)}
+
+
+def render(name: str, **ctx: Any) -> str:
+    return env().from_string((TEMPLATES / name).read_text()).render(ansible_managed=MANAGED, **ctx)
+
+
+def catalogue() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "group_vars" / "all" / "methods.yml").read_text())["spark_method_catalogue"]
+
+
+# ------------------------------------------------------------------ the variables and the files
+
+
+@pytest.mark.parametrize(
+    ("role", "var", "name"), [(r, v, n) for r, vs in TEMPLATE_VARS.items() for v, n in vs.items()]
+)
+def test_role_template_variable_defaults_to_an_existing_file(role: str, var: str, name: str) -> None:
+    raw = yaml.safe_load((ROLES / role / "defaults" / "main.yml").read_text())[var]
+    assert raw == "{{ role_path }}/../../templates/" + name, (
+        f"roles/{role}/defaults/main.yml: {var} = {raw!r}"
+    )
+    path = Path(raw.replace("{{ role_path }}", str(ROLES / role))).resolve()
+    assert path == TEMPLATES / name and path.is_file(), path
+    spec = yaml.safe_load((ROLES / role / "meta" / "argument_specs.yml").read_text())["argument_specs"][
+        "main"
+    ]
+    assert var in spec["options"], f"roles/{role}/meta/argument_specs.yml does not declare {var}"
+    tasks = "".join(p.read_text() for p in (ROLES / role / "tasks").glob("*.yml"))
+    assert f"{{{{ {var} }}}}" in tasks, f"no task of roles/{role} renders {var}"
+    assert name not in tasks, f"a task of roles/{role} names {name} directly instead of {var}"
+
+
+def test_every_template_belongs_to_a_role_variable() -> None:
+    named = {n for vs in TEMPLATE_VARS.values() for n in vs.values()}
+    present = {p.name for p in TEMPLATES.glob("*.j2")}
+    assert present == named, (
+        f"templates/ holds {sorted(present - named)} that no role takes; missing {sorted(named - present)}"
+    )
+    for role in TEMPLATE_VARS:  # a copy left behind in the role would be the one a relative src finds
+        leftovers = {p.name for p in (ROLES / role / "templates").glob("*.j2")} & named
+        assert not leftovers, f"roles/{role}/templates still holds {leftovers}"
+
+
+# ------------------------------------------------------------------ serve: unit + argument file
+
+
+ARGV = [
+    "/model",
+    "--served-model-name",
+    "qwen3.5-122b",
+    "--port",
+    "8000",
+    "--speculative-config",
+    '{"method": "mtp", "num_speculative_tokens": 2}',
+    "--chat-template-kwargs",
+    'it\'s $HOME `and` "quotes" \\ back',
+]
+IMAGE = "sparkllm/vllm:v0.19.1-0123456789ab"
+DOCKER_OPTS = ["--gpus", "all", "--volume=/srv/model:/model:ro", "--env=VLLM_LOGGING_LEVEL=INFO"]
+
+
+def serve_ctx(tmp_path: Path, method: str = "mtp", cluster_env: str = "") -> dict[str, Any]:
+    ctx = defaults("serve")
+    cat = catalogue()
+    home = ctx["serve_container_home"]
+    ctx.update(
+        spark_method_catalogue=cat,
+        spec_method=method,
+        serve_unit_method=method,
+        serve_cluster_env_file=cluster_env,
+        serve_config_dir=str(tmp_path),
+        serve_docker_bin=str(tmp_path / "docker"),
+        _serve_methods=list(cat),
+        _serve_unit=f"{ctx['serve_unit_prefix']}-{method}.service",
+        _serve_secrets_file=str(tmp_path / "secrets.env"),
+        _serve_cache_mounts={"vllm": f"{home}/.cache/vllm", "triton": f"{home}/.triton"},
+        _serve_image=IMAGE,
+        _serve_docker_opts=DOCKER_OPTS,
+        _serve_argv=ARGV,
+    )
+    return ctx
+
+
+def unit_value(unit: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith(key + "=")]
+
+
+def test_vllm_unit_runs_the_image_with_the_exact_argv(tmp_path: Path) -> None:
+    """Render the unit and its argument file, then run the unit's ExecStart as systemd would (after
+    sourcing the EnvironmentFile with /bin/sh, as the role's validate step does) against a fake docker
+    that prints its argv: the container gets the image, `serve` and every argument unchanged."""
+    ctx = serve_ctx(tmp_path)
+    unit = render("sparkllm-vllm.service.j2", **ctx)
+    envfile = tmp_path / "mtp.env"
+    envfile.write_text(render("sparkllm-vllm.env.j2", **ctx))
+    assert unit_value(unit, "EnvironmentFile") == [str(envfile)]
+    assert unit.startswith(f"# {MANAGED}\n")
+    others = {f"sparkllm-vllm-{m}.service" for m in catalogue() if m != "mtp"}
+    assert set(unit_value(unit, "Conflicts")[0].split()) == others
+    assert unit_value(unit, "ExecStop") == [
+        f"{tmp_path}/docker stop --time {ctx['serve_stop_timeout']} sparkllm-vllm-mtp"
+    ]
+
+    docker = tmp_path / "docker"
+    docker.write_text('#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done\n')
+    docker.chmod(docker.stat().st_mode | stat.S_IXUSR)
+    (exec_start,) = unit_value(unit, "ExecStart")
+    # systemd turns $$ into $ and splits the line like a shell: /bin/sh -c '<script>'
+    sh, dash_c, script = shlex.split(exec_start.replace("$$", "$"))
+    assert (sh, dash_c) == ("/bin/sh", "-c")
+    out = subprocess.run(
+        ["/bin/sh", "-c", 'set -a && . "$1" && exec /bin/sh -c "$2"', "sh", str(envfile), script],
+        capture_output=True,
+        check=True,
+    ).stdout
+    got = out.decode().split("\0")[:-1]
+    assert got[:4] == ["run", "--rm", "--init", "--pull"]
+    assert got[got.index("--entrypoint") : got.index("--entrypoint") + 2] == ["--entrypoint", "vllm"]
+    tail = got[got.index("--entrypoint") + 2 :]
+    assert tail == [*DOCKER_OPTS, IMAGE, "serve", *ARGV]
+    assert got[got.index("--env-file") + 1] == f"{tmp_path}/secrets.env"
+    assert f"{ctx['serve_cache_dir']}/vllm:/root/.cache/vllm" in got
+
+
+def test_vllm_unit_reads_the_cluster_env_when_there_is_one(tmp_path: Path) -> None:
+    unit = render("sparkllm-vllm.service.j2", **serve_ctx(tmp_path, "dflash", "/etc/sparkllm/cluster.env"))
+    assert unit_value(unit, "EnvironmentFile") == [f"{tmp_path}/dflash.env", "/etc/sparkllm/cluster.env"]
+    assert "Wants=sparkllm-ray-head.service" in unit
+    assert "--env-file /etc/sparkllm/cluster.env" in unit_value(unit, "ExecStart")[0]
+    single = render("sparkllm-vllm.service.j2", **serve_ctx(tmp_path, "dflash"))
+    assert "cluster.env" not in single and "ray" not in single.lower()
+
+
+def test_vllm_env_file_names_the_method_and_no_secret(tmp_path: Path) -> None:
+    text = render("sparkllm-vllm.env.j2", **serve_ctx(tmp_path, "ngram"))
+    assert "SPARKLLM_SERVE_METHOD=ngram\n" in text
+    assert f'SPARKLLM_SERVE_IMAGE="{IMAGE}"\n' in text
+    assert catalogue()["ngram"]["description"] in text
+    assert "HF_TOKEN" not in text and "VLLM_API_KEY" not in text
+
+
+# ------------------------------------------------------------------ Ray unit
+
+
+def ray_ctx(runtime: str, head: bool) -> dict[str, Any]:
+    ctx = defaults("ray_cluster")
+    role = "head" if head else "worker"
+    args = ["start", "--block", "--node-ip-address", "${VLLM_HOST_IP}"] + (
+        ["--head", "--port", "6379"] if head else ["--address", "192.168.100.1:6379"]
+    )
+    ctx.update(
+        ray_cluster_runtime=runtime,
+        ray_cluster_env_file="/etc/sparkllm/cluster.env",
+        ray_cluster_container_volumes=["/srv/model:/model:ro"],
+        _ray_cluster_role=role,
+        _ray_cluster_is_head=head,
+        _ray_cluster_nodes=["spark-a", "spark-b"],
+        _ray_cluster_head="spark-a",
+        _ray_cluster_address="192.168.100.1:6379",
+        _ray_cluster_env_checksum="abc123",
+        _ray_cluster_container=f"sparkllm-ray-{role}",
+        _ray_cluster_image=IMAGE,
+        _ray_cluster_start_args=args,
+    )
+    return ctx
+
+
+def test_ray_unit_container_runs_ray_start_in_the_image() -> None:
+    ctx = ray_ctx("container", head=True)
+    unit = render("sparkllm-ray.service.j2", **ctx)
+    (exec_start,) = unit_value(unit, "ExecStart")
+    argv = shlex.split(exec_start)
+    assert argv[0] == ctx["ray_cluster_docker_bin"] and argv[1] == "run"
+    i = argv.index(IMAGE)
+    assert argv[i - 2 : i] == ["--entrypoint", "ray"]
+    assert argv[i + 1 :] == ctx["_ray_cluster_start_args"]
+    assert "--volume" in argv and "/srv/model:/model:ro" in argv
+    assert unit_value(unit, "EnvironmentFile") == ["/etc/sparkllm/cluster.env"]
+    assert "sha256 abc123" in unit  # a changed environment changes the unit, hence restarts Ray
+
+
+def test_ray_unit_venv_worker() -> None:
+    ctx = ray_ctx("venv", head=False)
+    unit = render("sparkllm-ray.service.j2", **ctx)
+    (exec_start,) = unit_value(unit, "ExecStart")
+    assert shlex.split(exec_start) == [
+        f"{ctx['ray_cluster_venv_dir']}/bin/ray",
+        *ctx["_ray_cluster_start_args"],
+        "--temp-dir",
+        ctx["ray_cluster_temp_dir"],
+    ]
+    assert "docker" not in unit and "keep trying to join" in unit
+
+
+# ------------------------------------------------------------------ link: netplan + cluster env
+
+
+def test_netplan_file_is_the_link_configuration() -> None:
+    ctx = defaults("spark_link")
+    ctx["spark_link_addresses"] = ["192.168.100.1/24", "192.168.101.1/24"]
+    doc = yaml.safe_load(render("netplan-link.yaml.j2", **ctx))
+    eths = doc["network"]["ethernets"]
+    assert list(eths) == ctx["spark_link_interfaces"]
+    first = eths[ctx["spark_link_interfaces"][0]]
+    assert first == {
+        "dhcp4": False,
+        "dhcp6": False,
+        "link-local": [],
+        "mtu": 9000,
+        "addresses": ["192.168.100.1/24"],
+    }
+    assert eths[ctx["spark_link_interfaces"][1]]["addresses"] == ["192.168.101.1/24"]
+
+
+def test_cluster_env_lists_every_variable_sorted() -> None:
+    env_ = {"NCCL_SOCKET_IFNAME": "enp1s0f0np0", "VLLM_HOST_IP": "192.168.100.1", "NCCL_IB_HCA": "rocep1s0f0"}
+    text = render(
+        "cluster.env.j2", inventory_hostname="spark-a", _spark_link_iface="enp1s0f0np0", _spark_link_env=env_
+    )
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert lines == [f"{k}={v}" for k, v in sorted(env_.items())]
+
+
+# ------------------------------------------------------------------ Dockerfile
+
+
+def dockerfile_ctx(extra_prs: list[int]) -> dict[str, Any]:
+    ctx = defaults("vllm_build")
+    ctx["_vllm_build_cfg"] = {
+        "ref": "v0.20.0",
+        "version": "0.20.0",
+        "extra_prs": extra_prs,
+        "base_image": ctx["vllm_build_base_image"],
+        "torch": ctx["vllm_build_torch"],
+    }
+    return ctx
+
+
+def test_dockerfile_stages_pins_and_prs() -> None:
+    ctx = dockerfile_ctx([40898])
+    text = render("Dockerfile.j2", **ctx)
+    assert text.startswith("# vLLM v0.20.0 + PR 40898 for the DGX Spark")  # the Jinja comment renders nothing
+    assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
+        (ctx["vllm_build_base_image"], "base"),
+        ("base", "build"),
+        ("base", "runtime"),
+    ]
+    assert "TORCH_CUDA_ARCH_LIST=12.1a" in text and "git checkout --detach v0.20.0" in text
+    assert "for pr in 40898; do" in text
+    for name, version in ctx["vllm_build_torch"].items():
+        assert f" {name} " in text, name  # installed under the constraints file
+        assert version not in text  # pins live in the constraints file, not the Dockerfile
+    assert "for pr in" not in render("Dockerfile.j2", **dockerfile_ctx([]))
+
+
+def test_dockerfile_blocks_can_be_overridden() -> None:
+    """A user's Dockerfile can extend the project's and replace one stage."""
+    loader = jinja2.DictLoader(
+        {
+            "Dockerfile.j2": (TEMPLATES / "Dockerfile.j2").read_text(),
+            "mine.j2": (
+                '{% extends "Dockerfile.j2" %}{% block runtime %}'
+                'FROM base AS runtime\nRUN echo mine\n{% endblock %}'
+            ),
+        }
+    )
+    e = env()
+    e.loader = loader
+    text = e.get_template("mine.j2").render(**dockerfile_ctx([]))
+    assert "RUN echo mine" in text and "vllm-*.whl" not in text and "FROM base AS build" in text
+
+
+def test_molecule_serve_override_is_the_template_plus_its_two_lines() -> None:
+    """molecule/serve overrides serve_unit_template with a user's copy; the copy must stay the project's
+    unit plus its two marker lines, so the scenario keeps testing the real unit (update the copy when
+    templates/sparkllm-vllm.service.j2 changes)."""
+    ours = (TEMPLATES / "sparkllm-vllm.service.j2").read_text().splitlines()
+    copy = (ROOT / "molecule" / "serve" / "templates" / "sparkllm-vllm.service.j2").read_text().splitlines()
+    added = [line for line in copy if line not in ours]
+    assert [line for line in copy if line not in added] == ours
+    assert added == [
+        "# User unit template (molecule serve: serve_unit_template points here, not at templates/).",
+        "Environment=SPARKLLM_UNIT_TEMPLATE=molecule-serve-override",
+    ]
+    host_vars = yaml.safe_load((ROOT / "molecule" / "serve" / "host_vars" / "spark-serve.yml").read_text())
+    assert host_vars["serve_unit_template"].endswith("/molecule/serve/templates/sparkllm-vllm.service.j2")
