@@ -82,6 +82,9 @@ def test_speculative_config_survives_env_file_and_systemd(host):
     assert _option(args, "--host") == "127.0.0.1"
     assert "--no-enable-prefix-caching" in args
     assert "--disable-log-stats" not in args
+    # tool calling on by default, with Qwen3.5's parser
+    assert "--enable-auto-tool-choice" in args
+    assert _option(args, "--tool-call-parser") == "qwen3_coder"
     # the env file says the same thing as what the container got
     assert ["serve"] + _env_words(host, "mtp", "SPARKLLM_SERVE_ARGS") == args
 
@@ -145,7 +148,7 @@ def test_ngram_is_the_only_server_after_switch(host):
     assert _models(host) == ["qwen3.5-122b"]
     spec = json.loads(_option(_inspect(host, "ngram")["Args"], "--speculative-config"))
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 5
-    assert "--attention-backend" not in _inspect(host, "ngram")["Args"]
+    assert _option(_inspect(host, "ngram")["Args"], "--attention-backend") == "FLASHINFER"  # catalogue
     assert _fact(host)["active_method"] == "ngram"
 
 
