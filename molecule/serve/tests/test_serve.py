@@ -25,8 +25,9 @@ API_KEY = "sk-molecule-serve-KEY-9f3a"
 ROLLBACK_MSG = "mtp failed to become ready; rolled back to ngram, which is serving"
 
 
-def _models(host) -> list[str]:
-    out = host.check_output(f"curl -sf --max-time 5 http://127.0.0.1:{PORT}/v1/models")
+def _models(host, key: str = "") -> list[str]:
+    auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+    out = host.check_output(f"curl -sf --max-time 5{auth} http://127.0.0.1:{PORT}/v1/models")
     return [m["id"] for m in json.loads(out)["data"]]
 
 
@@ -131,6 +132,8 @@ def test_hf_token_only_in_the_root_only_secrets_file(host):
 def test_fact_remembers_method_hash_and_image(host):
     fact = _fact(host)
     assert fact["active_method"] == "mtp"
+    assert (fact["scheme"], fact["host"], fact["port"]) == ("http", "127.0.0.1", PORT)
+    assert fact["base_url"] == f"http://127.0.0.1:{PORT}"
     assert fact["image"] == "serve-standin:test"
     assert len(fact["config_hash"]) == 64
     assert host.file(FACT).mode == 0o644
@@ -196,4 +199,9 @@ def test_non_loopback_bind_with_key_file(host):
     assert f"VLLM_API_KEY={API_KEY}" in info["Config"]["Env"]
     hits = host.run(f"grep -rl {API_KEY} /etc/systemd/system /etc/sparkllm /etc/ansible").stdout.split()
     assert hits == [SECRETS]
-    assert _models(host) == ["qwen3.5-122b"]
+    assert _models(host, key=API_KEY) == ["qwen3.5-122b"]
+    # the stand-in enforces the key like vLLM: without it /v1 is refused
+    assert host.run(f"curl -sf --max-time 5 http://127.0.0.1:{PORT}/v1/models").rc != 0
+    # the fact records where the server answers, for the bench stage
+    fact = _fact(host)
+    assert (fact["scheme"], fact["host"], fact["port"]) == ("http", "127.0.0.1", PORT)
