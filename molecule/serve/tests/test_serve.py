@@ -8,6 +8,7 @@ exercises the bind/API-key rules.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from playbook_runner import run_playbook
@@ -162,6 +163,14 @@ def test_failing_method_rolls_back_to_ngram(host):
     assert ROLLBACK_MSG in res.output
     assert "journalctl -u sparkllm-vllm-mtp.service" in res.output
     assert "STANDIN_FAIL=1, refusing to start" in res.output  # the failed unit's journal was printed
+    # the failure message carries the post-mortem: the first EngineCore traceback (its cause, without
+    # the log prefixes; not the API server's traceback that follows it) and /proc/meminfo figures
+    fail = res.output[res.output.rindex(ROLLBACK_MSG):]
+    assert "First EngineCore traceback (journalctl -u sparkllm-vllm-mtp.service" in fail
+    cause = r"^\s*torch\.OutOfMemoryError: stand-in: CUDA out of memory \(STANDIN_FAIL=1\)$"
+    assert re.search(cause, fail, re.M)
+    assert "Engine core initialization failed" not in fail
+    assert re.search(r"Memory at the failure \(/proc/meminfo\): MemTotal [\d.]+ GiB, MemAvailable", fail)
     assert TOKEN not in res.output
     _assert_only_active(host, "ngram")
     assert _models(host) == ["qwen3.5-122b"]
