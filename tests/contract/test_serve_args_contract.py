@@ -352,3 +352,22 @@ def test_gpu_e2e_argv_parses_on_0_20(vllm_module, catalogue, variants):
         assert parsed["attention_backend"] == "FLASH_ATTN"
         assert parsed["speculative_config"] == spark_speculative_config(s, catalogue)
         assert parsed["gpu_memory_utilization"] == pytest.approx(0.08)
+
+
+# --- the Hugging Face token file the serve role mounts for methods that download ----------------
+
+@pytest.mark.parametrize("token_path", [True, False])
+def test_hub_client_reads_the_token_from_hf_token_path(vllm_module, tmp_path, token_path):
+    """roles/serve mounts the 0600 token file and sets HF_TOKEN_PATH (no HF_TOKEN in the container's
+    env); the huggingface_hub that vLLM downloads drafters with must read it from there."""
+    token_file = tmp_path / "hf_token"
+    token_file.write_text("hf_CONTRACTfake0123456789")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["HF_HOME"] = str(tmp_path / "home")  # no token stored there
+    if token_path:
+        env["HF_TOKEN_PATH"] = str(token_file)
+    code = "import huggingface_hub; print(huggingface_hub.get_token())"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ("hf_CONTRACTfake0123456789" if token_path else "None")

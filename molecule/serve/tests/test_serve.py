@@ -19,6 +19,8 @@ UNIT = "sparkllm-vllm-{}.service"
 CONTAINER = "molserve-vllm-{}"
 CONF = "/etc/sparkllm/serve"
 SECRETS = f"{CONF}/secrets.env"
+HF_TOKEN_FILE = f"{CONF}/hf-token"
+HASH_KEY = f"{CONF}/config-hash.key"
 FACT = "/etc/ansible/facts.d/spark_serve.fact"
 TOKEN = "hf_MOLECULEserveFAKEtoken0123456789"  # host_vars/spark-serve.yml
 KEY_FILE = "/etc/sparkllm-test-api-key"  # prepare.yml
@@ -119,15 +121,32 @@ def test_unit_conflicts_with_every_other_method(host, method):
     assert "Type=exec" in props and "Restart=on-failure" in props and "TimeoutStartUSec=20min" in props
 
 
-def test_hf_token_only_in_the_root_only_secrets_file(host):
+def test_hf_token_only_in_its_root_only_file_and_not_in_mtp(host):
     hits = host.run(f"grep -rl {TOKEN} /etc/systemd/system /etc/sparkllm /etc/ansible").stdout.split()
-    assert hits == [SECRETS]
-    f = host.file(SECRETS)
-    assert (f.user, f.group, f.mode) == ("root", "root", 0o600)
+    assert hits == [HF_TOKEN_FILE]
+    for path in (HF_TOKEN_FILE, SECRETS, HASH_KEY):
+        f = host.file(path)
+        assert (f.user, f.group, f.mode) == ("root", "root", 0o600), path
     info = _inspect(host, "mtp")
-    assert TOKEN not in json.dumps(info["Args"]) + json.dumps(info["Path"])
-    assert f"HF_TOKEN={TOKEN}" in info["Config"]["Env"]  # delivered through --env-file
+    # mtp downloads nothing: neither the token nor its file reaches its container
+    assert TOKEN not in json.dumps(info)
+    assert not any(e.startswith(("HF_TOKEN=", "HF_TOKEN_PATH=")) for e in info["Config"]["Env"])
+    assert not any("hf-token" in b for b in info["HostConfig"]["Binds"])
     assert TOKEN not in host.check_output("ps -eo args")
+
+
+def test_config_hash_is_an_hmac_under_the_root_only_key(host):
+    """The 0644 fact holds an HMAC: without the 0600 key nobody can test API key guesses against it."""
+    import hashlib
+    import hmac
+
+    sums = [host.file(p).sha256sum for p in (f"/etc/systemd/system/{UNIT.format('mtp')}", f"{CONF}/mtp.env",
+                                             SECRETS)]
+    key = host.file(HASH_KEY).content_string
+    assert len(key) == 64
+    expected = hmac.new(key.encode(), "\n".join(sums).encode(), hashlib.sha256).hexdigest()
+    assert _fact(host)["config_hash"] == expected
+    assert _fact(host)["config_hash"] != hashlib.sha256(":".join(sums).encode()).hexdigest()
 
 
 def test_fact_remembers_method_hash_and_image(host):
@@ -214,3 +233,16 @@ def test_non_loopback_bind_with_key_file(host):
     # the fact records where the server answers, for the bench stage
     fact = _fact(host)
     assert (fact["scheme"], fact["host"], fact["port"]) == ("http", "127.0.0.1", PORT)
+
+
+def test_dflash_alone_gets_the_hf_token_file(host):
+    """The drafter download needs the token: dflash's container gets the 0600 file, never the value."""
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash"})
+    assert res.rc == 0, res.output[-3000:]
+    assert TOKEN not in res.output
+    _assert_only_active(host, "dflash")
+    info = _inspect(host, "dflash")
+    assert f"{HF_TOKEN_FILE}:/run/secrets/hf_token:ro" in info["HostConfig"]["Binds"]
+    assert "HF_TOKEN_PATH=/run/secrets/hf_token" in info["Config"]["Env"]
+    assert TOKEN not in json.dumps(info)  # docker inspect shows the path, not the token
+    assert host.check_output(f"docker exec {CONTAINER.format('dflash')} cat /run/secrets/hf_token") == TOKEN
