@@ -47,6 +47,12 @@ SETTING_DEFAULTS: dict[str, object] = {
     "spark_tensor_parallel_size": 1,
     "spark_distributed_backend": None,
     "vllm_attention_backend": "",
+    "vllm_attention_backends": {},
+    "vllm_enable_auto_tool_choice": True,
+    "vllm_tool_call_parser": "qwen3_coder",
+    "vllm_enable_prefix_caching": False,
+    "vllm_max_num_seqs": None,
+    "vllm_load_format": "",
     "vllm_serve_extra_args": [],
     # not in main.yml (see the module docstring)
     "vllm_model_path": "/model",
@@ -67,8 +73,13 @@ _MANAGED_OPTIONS = {
     "--port": "vllm_port",
     "--max-model-len": "vllm_max_model_len",
     "--gpu-memory-utilization": "vllm_gpu_memory_utilization",
-    "--enable-prefix-caching": "a fixed choice: prefix caching stays off for Qwen3.5 on vLLM 0.19",
-    "--no-enable-prefix-caching": "a fixed choice: prefix caching stays off for Qwen3.5 on vLLM 0.19",
+    "--enable-prefix-caching": "vllm_enable_prefix_caching",
+    "--no-enable-prefix-caching": "vllm_enable_prefix_caching",
+    "--enable-auto-tool-choice": "vllm_enable_auto_tool_choice",
+    "--no-enable-auto-tool-choice": "vllm_enable_auto_tool_choice",
+    "--tool-call-parser": "vllm_tool_call_parser",
+    "--max-num-seqs": "vllm_max_num_seqs",
+    "--load-format": "vllm_load_format",
     "--reasoning-parser": "vllm_reasoning_parser",
     "--speculative-config": "spec_method and the spec_* knobs",
     "--tensor-parallel-size": "spark_tensor_parallel_size",
@@ -80,6 +91,9 @@ _MANAGED_OPTIONS = {
     "--disable-log-stats": "a fixed choice: speculative decoding metrics need stats logging",
 }
 GPU_MEMORY_MAX = 0.95
+# vllm_load_format values: vLLM's loaders that read a safetensors checkpoint like ours ("" = leave
+# --load-format out, vLLM's "auto"). The contract suite checks each is registered in 0.19.1 and 0.20.0.
+LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors", "instanttensor", "runai_streamer")
 SPEC_TOKENS_RANGE = (1, 16)
 
 # serve_flags key -> vLLM option (value rendered with str()).
@@ -267,12 +281,12 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
                               f"{nnodes!r}; set it to GPUs per node x nodes")
 
     backend_override = _get(settings, "vllm_attention_backend")
-    if backend_override is not None and (
-            not isinstance(backend_override, str)
-            or (backend_override and not backend_override.replace("_", "").isalnum())):
+    if backend_override is not None and not _is_backend_name(backend_override, allow_empty=True):
         errors.append(f"vllm_attention_backend={backend_override!r} is not a backend name; set it to "
                       f"'' (the method's choice in methods.yml) or a vLLM backend such as FLASH_ATTN, "
                       f"FLASHINFER or TRITON_ATTN")
+    _check_backends_per_method(errors, _get(settings, "vllm_attention_backends"), catalogue)
+    _check_serving_features(errors, settings)
     _check_extra_args(errors, _get(settings, "vllm_serve_extra_args"))
 
     host = _get(settings, "vllm_host")
@@ -297,6 +311,62 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
     return errors
 
 
+def _is_backend_name(value, allow_empty: bool = False) -> bool:
+    if not isinstance(value, str):
+        return False
+    if not value:
+        return allow_empty
+    return value.replace("_", "").isalnum()
+
+
+def _is_parser_name(value) -> bool:
+    return isinstance(value, str) and bool(value) and value.replace("_", "").isalnum()
+
+
+def _check_backends_per_method(errors: list[str], backends, catalogue: Mapping) -> None:
+    name = "vllm_attention_backends"
+    example = '{"dflash": "TRITON_ATTN"}'
+    if backends is None:
+        return
+    if not isinstance(backends, Mapping):
+        errors.append(f"{name}={backends!r} is not a mapping{_type_hint(name, backends, example)}; set it "
+                      f"to a mapping of method -> backend, e.g. {example}, or {{}}")
+        return
+    for method, backend in backends.items():
+        if method not in catalogue:
+            errors.append(f"{name} names method {method!r}, which is not a known method; use one of: "
+                          f"{_valid_methods(catalogue)}")
+        elif not _is_backend_name(backend):
+            errors.append(f"{name}[{method!r}]={backend!r} is not a backend name; set it to a vLLM "
+                          f"backend such as FLASHINFER, FLASH_ATTN or TRITON_ATTN, or remove the entry "
+                          f"to use the method's choice in methods.yml")
+
+
+def _check_serving_features(errors: list[str], settings: Mapping) -> None:
+    """Tool calling, prefix caching, --max-num-seqs, --load-format."""
+    for name in ("vllm_enable_auto_tool_choice", "vllm_enable_prefix_caching"):
+        value = _get(settings, name)
+        if not isinstance(value, bool):
+            errors.append(f"{name}={value!r} is not a boolean{_type_hint(name, value, 'false')}; set it "
+                          f"to true or false")
+    tools = _get(settings, "vllm_enable_auto_tool_choice")
+    parser = _get(settings, "vllm_tool_call_parser")
+    if tools is True and not _is_parser_name(parser):
+        errors.append(f"vllm_tool_call_parser={parser!r} is not a parser name, and tool calling is on "
+                      f"(vllm_enable_auto_tool_choice=true); set vllm_tool_call_parser to a tool-call "
+                      f"parser vLLM registers (qwen3_coder for Qwen3.5), or set "
+                      f"vllm_enable_auto_tool_choice=false to turn tool calling off")
+    seqs = _get(settings, "vllm_max_num_seqs")
+    if seqs is not None:
+        _check_int(errors, "vllm_max_num_seqs", seqs, 1, None, example=8)
+    load_format = _get(settings, "vllm_load_format")
+    if load_format is None:
+        load_format = ""
+    if load_format != "" and load_format not in LOAD_FORMATS:
+        errors.append(f"vllm_load_format={load_format!r} is not a supported load format; set it to '' "
+                      f"(vLLM's default) or one of: {', '.join(LOAD_FORMATS)}")
+
+
 def _option_name(arg: str) -> str:
     """'--max_model_len=4' -> '--max-model-len' (vLLM's parser accepts both spellings)."""
     return arg.split("=", 1)[0].replace("_", "-")
@@ -306,7 +376,7 @@ def _check_extra_args(errors: list[str], extra) -> None:
     name = "vllm_serve_extra_args"
     if extra is None:
         return
-    example = '["--max-num-seqs", "8"]'
+    example = '["--enforce-eager", "--seed", "1"]'
     if not isinstance(extra, list | tuple):
         errors.append(f"{name}={extra!r} is not a list{_type_hint(name, extra, example)}; set it to a "
                       f"list of strings, one argv word each, e.g. {example}")
@@ -356,8 +426,10 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
     unit passes to the container, and vLLM reads the key from that variable.
 
     Never emits ``--disable-log-stats`` (speculative decoding metrics are only counted with stats
-    logging on) and always ``--no-enable-prefix-caching`` (prefix caching is reported broken for
-    Qwen3.5 on vLLM 0.19).
+    logging on). Prefix caching is always stated explicitly: ``--no-enable-prefix-caching`` unless
+    ``vllm_enable_prefix_caching`` (off by default: reported broken for Qwen3.5 on vLLM 0.19).
+    Tool calling (``--enable-auto-tool-choice --tool-call-parser <vllm_tool_call_parser>``) is on
+    unless ``vllm_enable_auto_tool_choice`` is false.
     """
     errors = spark_method_settings_errors(settings, catalogue)
     if errors:
@@ -370,8 +442,7 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
         raise CatalogueError(f"method {method!r}: unknown serve_flags {sorted(unknown)}; known: "
                              f"{sorted(_KNOWN_SERVE_FLAGS)}")
 
-    if _get(settings, "vllm_attention_backend"):
-        flags["attention_backend"] = _get(settings, "vllm_attention_backend")
+    flags["attention_backend"] = spark_attention_backend(settings, catalogue)
     gpu = _get(settings, "vllm_gpu_memory_utilization")
     cap = flags.get("gpu_memory_utilization_cap")
     if cap is not None:
@@ -384,11 +455,18 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
         "--port", str(_get(settings, "vllm_port")),
         "--max-model-len", str(_get(settings, "vllm_max_model_len")),
         "--gpu-memory-utilization", _fmt_number(gpu),
-        "--no-enable-prefix-caching",
+        "--enable-prefix-caching" if _get(settings, "vllm_enable_prefix_caching")
+        else "--no-enable-prefix-caching",
     ]
     parser = _get(settings, "vllm_reasoning_parser")
     if parser:
         argv += ["--reasoning-parser", parser]
+    if _get(settings, "vllm_enable_auto_tool_choice"):
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", _get(settings, "vllm_tool_call_parser")]
+    if _get(settings, "vllm_max_num_seqs") is not None:
+        argv += ["--max-num-seqs", str(_get(settings, "vllm_max_num_seqs"))]
+    if _get(settings, "vllm_load_format"):
+        argv += ["--load-format", _get(settings, "vllm_load_format")]
     config = spark_speculative_config(settings, catalogue)
     if config:
         argv += ["--speculative-config", _speculative_json(config)]
@@ -413,6 +491,25 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
             argv.append("--headless")
     argv += list(_get(settings, "vllm_serve_extra_args") or [])
     return [str(a) for a in argv]
+
+
+def spark_attention_backend(settings: Mapping, catalogue: Mapping) -> str | None:
+    """The --attention-backend of the selected method (None: leave the option out, vLLM chooses).
+
+    Most specific first: ``vllm_attention_backends[method]``, then ``vllm_attention_backend`` (every
+    method), then the catalogue's ``serve_flags.attention_backend``.
+    """
+    method = _get(settings, "spec_method")
+    entry = _entry(catalogue, method)
+    if entry is None:
+        raise ValueError(f"spec_method={method!r} is not a known method; set spec_method to one of: "
+                         f"{_valid_methods(catalogue)}")
+    per_method = _get(settings, "vllm_attention_backends") or {}
+    if isinstance(per_method, Mapping) and per_method.get(method):
+        return per_method[method]
+    if _get(settings, "vllm_attention_backend"):
+        return _get(settings, "vllm_attention_backend")
+    return (entry.get("serve_flags") or {}).get("attention_backend")
 
 
 def spark_settings(variables: Mapping) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import vllm_probe
-from spark_methods import SETTING_DEFAULTS, spark_serve_argv, spark_speculative_config
+from spark_methods import LOAD_FORMATS, SETTING_DEFAULTS, spark_serve_argv, spark_speculative_config
 
 pytestmark = pytest.mark.vllm_contract
 
@@ -29,8 +29,14 @@ MAIN_OPTIONS = [
     ("short-context-mem-090", {"vllm_max_model_len": 32768, "vllm_gpu_memory_utilization": 0.9,
                                "vllm_served_model_name": "other-name", "vllm_model_path": "/models/q"}),
     ("no-reasoning-parser", {"vllm_reasoning_parser": ""}),
-    ("extra-args-and-backend", {"vllm_serve_extra_args": ["--enforce-eager", "--max-num-seqs", "8"],
+    ("extra-args-and-backend", {"vllm_serve_extra_args": ["--enforce-eager", "--seed", "7"],
                                 "vllm_attention_backend": "TRITON_ATTN"}),
+    ("per-method-backends", {"vllm_attention_backend": "TRITON_ATTN",
+                             "vllm_attention_backends": {"baseline": "FLASH_ATTN", "dflash": "FLASHINFER"}}),
+    ("tools-off", {"vllm_enable_auto_tool_choice": False}),
+    ("serving-knobs", {"vllm_enable_prefix_caching": True, "vllm_max_num_seqs": 8,
+                       "vllm_load_format": "safetensors", "vllm_tool_call_parser": "qwen3_xml"}),
+    ("load-format-fastsafetensors", {"vllm_load_format": "fastsafetensors"}),
     ("tokens-override", {"spec_num_speculative_tokens": 4, "spec_ngram_lookup_min": 1,
                          "spec_ngram_lookup_max": 3}),
     ("ray-tp2", {"spark_tensor_parallel_size": 2, "spark_distributed_backend": "ray"}),
@@ -66,17 +72,30 @@ def assert_parsed_matches(parsed: dict, s: dict, catalogue: dict, argv: list[str
     spec = spark_speculative_config(s, catalogue)
     assert parsed["speculative_config"] == spec
     assert parsed["engine_speculative_config"] == spec
-    backend = s.get("vllm_attention_backend") or flags.get("attention_backend")
+    backend = ((s.get("vllm_attention_backends") or {}).get(method) or s.get("vllm_attention_backend")
+               or flags.get("attention_backend"))
+    assert backend  # every method names its backend (FLASHINFER, FLASH_ATTN for dflash)
     assert parsed["attention_backend"] == backend
     assert parsed["attention_backend_resolved"] == backend, parsed
     extra = s.get("vllm_serve_extra_args") or []
     assert parsed["enforce_eager"] is ("--enforce-eager" in extra)
-    if "--max-num-seqs" in extra:
-        assert parsed["max_num_seqs"] == int(extra[extra.index("--max-num-seqs") + 1])
+    if s["vllm_max_num_seqs"] is not None:
+        assert parsed["max_num_seqs"] == s["vllm_max_num_seqs"]
+    else:
+        assert parsed["max_num_seqs"] is None  # vLLM's own default applies
+    assert parsed["load_format"] == (s["vllm_load_format"] or "auto")
+    assert parsed["load_format_registered"] is True
     assert parsed["max_num_batched_tokens"] == flags.get("max_num_batched_tokens")
-    # stats stay on (speculative metrics), prefix caching off (Qwen3.5 on 0.19), no key in argv
+    # tool calling: on with a parser this vLLM registers, or off entirely
+    assert parsed["enable_auto_tool_choice"] is s["vllm_enable_auto_tool_choice"]
+    if s["vllm_enable_auto_tool_choice"]:
+        assert parsed["tool_call_parser"] == s["vllm_tool_call_parser"]
+        assert parsed["tool_call_parser_registered"] is True, s["vllm_tool_call_parser"]
+    else:
+        assert parsed["tool_call_parser"] is None
+    # stats stay on (speculative metrics), prefix caching as the knob says (off by default), no key
     assert parsed["disable_log_stats"] is False
-    assert parsed["enable_prefix_caching"] is False
+    assert parsed["enable_prefix_caching"] is s["vllm_enable_prefix_caching"]
     assert parsed["api_key"] is None
     assert parsed["tensor_parallel_size"] == s["spark_tensor_parallel_size"]
     assert parsed["distributed_executor_backend"] == (s["spark_distributed_backend"] or None)
@@ -120,6 +139,57 @@ def test_parser_rejects_unknown_flags(vllm_module):
     assert not result["ok"]
     assert result["exit_code"] == 2
     assert "--no-such-flag" in result["stderr"]
+
+
+def test_defaults_name_a_backend_tool_parser_and_prefix_choice(vllm_module, catalogue):
+    """The default argv of every 0.19.1 method: FlashInfer, Qwen3.5's tool parser, prefix caching off."""
+    for method in methods_of(catalogue, "v0_19_1"):
+        parsed = vllm_probe.parse_serve(spark_serve_argv(settings(spec_method=method), catalogue))["args"]
+        assert parsed["attention_backend_resolved"] == "FLASHINFER", method
+        assert parsed["enable_auto_tool_choice"] is True
+        assert parsed["tool_call_parser"] == "qwen3_coder"
+        assert parsed["enable_prefix_caching"] is False
+
+
+def test_unregistered_tool_parser_is_caught(vllm_module):
+    """Proves the registration check can fail: the parser keeps any string, the API server does not."""
+    result = vllm_probe.parse_serve(["/model", "--enable-auto-tool-choice", "--tool-call-parser", "qwen35"])
+    assert result["ok"]
+    assert result["args"]["tool_call_parser_registered"] is False
+    assert "qwen3_coder" in vllm_probe.tool_parsers()
+
+
+def test_every_load_format_knob_value_is_a_0_19_1_loader(vllm_module):
+    assert set(LOAD_FORMATS) <= set(vllm_probe.load_formats())
+    assert "safetensor" not in vllm_probe.load_formats()  # the check can fail
+
+
+# A Qwen3.5 tool call as the model writes it (its chat template's format: XML function/parameter
+# tags inside <tool_call>), and the tool the request declared.
+QWEN35_TOOL_OUTPUT = ("I will look it up.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                      "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+EXPECTED_CALL = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]
+
+
+def tool_call_request(parser: str) -> dict:
+    return {"parser": parser, "text": QWEN35_TOOL_OUTPUT, "tools": [WEATHER_TOOL]}
+
+
+def test_default_tool_parser_reads_qwen35_tool_calls(vllm_module):
+    result = vllm_probe.extract_tool_calls(tool_call_request(SETTING_DEFAULTS["vllm_tool_call_parser"]))
+    assert result["ok"], result
+    assert result["tools_called"] is True
+    assert result["calls"] == EXPECTED_CALL
+
+
+def test_json_tool_parser_does_not_read_qwen35_tool_calls(vllm_module):
+    """Proves the format check can fail: hermes (JSON inside <tool_call>) gets no call out of it."""
+    result = vllm_probe.extract_tool_calls(tool_call_request("hermes"))
+    assert not (result["ok"] and result["calls"] == EXPECTED_CALL), result
 
 
 def test_bogus_attention_backend_is_caught(vllm_module):
@@ -216,6 +286,7 @@ def dflash_answers(vllm_module, catalogue, variants):
     requests = [{"argv": spark_serve_argv(s, catalogue)} for s in cases]
     requests.append({"speculative": spark_speculative_config(cases[0], catalogue)})
     requests.append({"argv": ["/model", "--no-such-flag"]})
+    requests.append({"tool_call": tool_call_request(SETTING_DEFAULTS["vllm_tool_call_parser"])})
     answers = run_probe_020(variants, requests)
     return cases, answers
 
@@ -226,13 +297,25 @@ def test_dflash_probe_ran_vllm_0_20(dflash_answers, variants):
     assert "dflash" in answers[0]["methods"]
 
 
+def test_tool_parser_and_load_formats_exist_on_0_20(dflash_answers):
+    _, answers = dflash_answers
+    assert SETTING_DEFAULTS["vllm_tool_call_parser"] in answers[0]["tool_parsers"]
+    assert set(LOAD_FORMATS) <= set(answers[0]["load_formats"])
+    result = answers[3 + len(MAIN_OPTIONS)]
+    assert result["ok"], result
+    assert result["calls"] == EXPECTED_CALL
+
+
 @pytest.mark.parametrize("index", range(len(MAIN_OPTIONS)), ids=[c for c, _ in MAIN_OPTIONS])
 def test_dflash_argv_parses_on_0_20(dflash_answers, catalogue, index):
     cases, answers = dflash_answers
     result = answers[1 + index]
     assert result["ok"], result.get("stderr")
     assert_parsed_matches(result["args"], cases[index], catalogue, [])
-    assert result["args"]["attention_backend"] == (cases[index].get("vllm_attention_backend") or "FLASH_ATTN")
+    s = cases[index]
+    expected = ((s.get("vllm_attention_backends") or {}).get("dflash") or s.get("vllm_attention_backend")
+                or "FLASH_ATTN")
+    assert result["args"]["attention_backend"] == expected
     assert result["args"]["max_num_batched_tokens"] == 4096
     assert result["args"]["gpu_memory_utilization"] <= 0.85
 
@@ -269,3 +352,22 @@ def test_gpu_e2e_argv_parses_on_0_20(vllm_module, catalogue, variants):
         assert parsed["attention_backend"] == "FLASH_ATTN"
         assert parsed["speculative_config"] == spark_speculative_config(s, catalogue)
         assert parsed["gpu_memory_utilization"] == pytest.approx(0.08)
+
+
+# --- the Hugging Face token file the serve role mounts for methods that download ----------------
+
+@pytest.mark.parametrize("token_path", [True, False])
+def test_hub_client_reads_the_token_from_hf_token_path(vllm_module, tmp_path, token_path):
+    """roles/serve mounts the 0600 token file and sets HF_TOKEN_PATH (no HF_TOKEN in the container's
+    env); the huggingface_hub that vLLM downloads drafters with must read it from there."""
+    token_file = tmp_path / "hf_token"
+    token_file.write_text("hf_CONTRACTfake0123456789")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["HF_HOME"] = str(tmp_path / "home")  # no token stored there
+    if token_path:
+        env["HF_TOKEN_PATH"] = str(token_file)
+    code = "import huggingface_hub; print(huggingface_hub.get_token())"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ("hf_CONTRACTfake0123456789" if token_path else "None")

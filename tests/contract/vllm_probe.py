@@ -2,7 +2,8 @@
 
 Importable (the contract tests use it in-process with .venv-vllm's vLLM 0.19.1) and runnable
 (``python vllm_probe.py < requests.json``, used in a subprocess for a second vLLM version put
-first on PYTHONPATH). Requests: a JSON list of ``{"argv": [...]}`` or ``{"speculative": {...}}``;
+first on PYTHONPATH). Requests: a JSON list of ``{"argv": [...]}``, ``{"speculative": {...}}`` or
+``{"tool_call": {"parser": name, "text": model output, "tools": [OpenAI tool, ...]}}``;
 the answer is a JSON list on the last stdout line, prefixed with ``VLLM_PROBE_RESULT``.
 
 The platform is forced to vLLM's CPU platform before vLLM is first used.
@@ -23,7 +24,8 @@ REPORTED = (
     "reasoning_parser", "speculative_config", "attention_backend", "max_num_batched_tokens",
     "enable_prefix_caching", "disable_log_stats", "tensor_parallel_size",
     "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port", "headless",
-    "api_key", "enforce_eager", "max_num_seqs",
+    "api_key", "enforce_eager", "max_num_seqs", "enable_auto_tool_choice", "tool_call_parser",
+    "load_format",
 )
 
 
@@ -88,6 +90,7 @@ def parse_serve(argv: list[str]) -> dict[str, Any]:
     reported["engine_model"] = engine_args.model
     reported["engine_speculative_config"] = _jsonable(engine_args.speculative_config)
     reported.update(_check_attention(engine_args.attention_backend))
+    reported.update(_check_tools_and_loader(args, engine_args))
     reported.update(_check_parallel(engine_args))
     return {"ok": True, "args": reported}
 
@@ -104,6 +107,64 @@ def _check_attention(backend) -> dict[str, Any]:
     except ValidationError as exc:
         return {"attention_backend_error": "; ".join(e["msg"] for e in exc.errors())}
     return {"attention_backend_resolved": getattr(resolved, "name", str(resolved))}
+
+
+def tool_parsers() -> list[str]:
+    """The tool-call parser names this vLLM registers (what --tool-call-parser may name)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered())
+
+
+def load_formats() -> list[str]:
+    """The --load-format values this vLLM has a model loader for."""
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    return sorted(_LOAD_FORMAT_TO_MODEL_LOADER)
+
+
+def _check_tools_and_loader(args, engine_args) -> dict[str, Any]:
+    """What the API server checks before it builds the engine: the tool-call parser is registered
+    (api_server.validate_api_server_args), and the load format has a loader (LoadConfig)."""
+    from vllm.config import LoadConfig
+
+    out: dict[str, Any] = {
+        "tool_call_parser_registered": (args.tool_call_parser in tool_parsers()
+                                        if args.tool_call_parser else None),
+    }
+    load_format = LoadConfig(load_format=engine_args.load_format).load_format
+    out["load_format_resolved"] = load_format
+    out["load_format_registered"] = load_format in load_formats()
+    return out
+
+
+class _VocabTokenizer:
+    """Just enough tokenizer for a tool parser: the vocabulary of its marker tokens."""
+
+    def __init__(self, tokens: list[str]):
+        self._vocab = {t: 150000 + i for i, t in enumerate(tokens)}
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._vocab)
+
+
+def extract_tool_calls(request: dict[str, Any]) -> dict[str, Any]:
+    """Run the named tool-call parser of this vLLM on a model output (non-streaming)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    tokenizer = _VocabTokenizer(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+    try:
+        chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                     tools=request["tools"], tool_choice="auto")
+        # the request's tools go to the parser too: 0.20 reads their schema from there
+        parser = ToolParserManager.get_tool_parser(request["parser"])(tokenizer, chat.tools)
+        info = parser.extract_tool_calls(request["text"], chat)
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": True, "tools_called": info.tools_called,
+            "calls": [{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                      for c in info.tool_calls]}
 
 
 def _check_parallel(engine_args) -> dict[str, Any]:
@@ -203,10 +264,13 @@ def check_speculative(config: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     requests = json.load(sys.stdin)
     force_cpu_platform()
-    answers: list[dict[str, Any]] = [{"vllm_version": vllm_version(), "methods": speculative_methods()}]
+    answers: list[dict[str, Any]] = [{"vllm_version": vllm_version(), "methods": speculative_methods(),
+                                      "tool_parsers": tool_parsers(), "load_formats": load_formats()}]
     for req in requests:
         if "argv" in req:
             answers.append(parse_serve(req["argv"]))
+        elif "tool_call" in req:
+            answers.append(extract_tool_calls(req["tool_call"]))
         else:
             answers.append(check_speculative(req["speculative"]))
     print("VLLM_PROBE_RESULT " + json.dumps(answers))

@@ -35,3 +35,32 @@ def test_fail_method_exits_nonzero() -> None:
 def test_env_fail_exits_nonzero(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STANDIN_FAIL", "1")
     assert server.main(["--port", "0"]) != 0
+
+
+def test_tool_calling_flags_do_not_change_the_model() -> None:
+    cfg, _, _ = server.parse_args(["serve", "/model", "--enable-auto-tool-choice", "--tool-call-parser",
+                                   "qwen3_coder", "--no-enable-prefix-caching", "--reasoning-parser",
+                                   "qwen3"])
+    assert cfg.model == "/model"
+
+
+def test_api_key_guards_v1_like_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.error
+    import urllib.request
+
+    monkeypatch.setenv("VLLM_API_KEY", "sk-unit")
+    cfg, _, _ = server.parse_args(["serve", "/model", "--served-model-name", "m"])
+    assert cfg.api_key == "sk-unit"
+    with server.StandinServer(cfg) as srv:
+        def get(path: str, key: str | None = None) -> int:
+            req = urllib.request.Request(srv.base_url + path,
+                                         headers={"Authorization": f"Bearer {key}"} if key else {})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert get("/health") == 200 and get("/metrics") == 200
+        assert get("/v1/models") == 401 and get("/v1/models", "wrong") == 401
+        assert get("/v1/models", "sk-unit") == 200

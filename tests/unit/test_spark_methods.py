@@ -88,8 +88,16 @@ def test_plugin_defaults_match_main_yml(main_yml):
         "vllm_host", "vllm_port", "vllm_served_model_name", "vllm_reasoning_parser", "vllm_api_key_file",
         "vllm_allow_unauthenticated_bind", "spark_model_dir", "spark_tensor_parallel_size",
         "spark_distributed_backend", "vllm_attention_backend", "vllm_serve_extra_args",
+        "vllm_attention_backends", "vllm_enable_auto_tool_choice", "vllm_tool_call_parser",
+        "vllm_enable_prefix_caching", "vllm_max_num_seqs", "vllm_load_format",
     }
     assert set(main_yml) == required
+
+
+def test_serve_role_passes_every_knob_to_the_filter():
+    """roles/serve picks the knobs by name: a knob missing there would silently take the default."""
+    names = yaml.safe_load((ROOT / "roles" / "serve" / "vars" / "main.yml").read_text())["_serve_knob_names"]
+    assert set(names) == set(SETTING_DEFAULTS) - {"vllm_model_path"}
 
 
 def test_every_main_yml_knob_has_a_comment():
@@ -172,10 +180,10 @@ def test_argv_common_options(catalogue, method):
 
 
 @pytest.mark.parametrize(("method", "backend", "extra"), [
-    ("baseline", None, {}),
-    ("ngram", None, {}),
+    ("baseline", "FLASHINFER", {}),
+    ("ngram", "FLASHINFER", {}),
     ("mtp", "FLASHINFER", {}),
-    ("eagle3", None, {}),
+    ("eagle3", "FLASHINFER", {}),
     ("dflash", "FLASH_ATTN", {"--max-num-batched-tokens": "4096"}),
 ])
 def test_argv_method_flags(catalogue, method, backend, extra):
@@ -451,7 +459,7 @@ def test_spark_settings_picks_known_names_only(catalogue):
 
 
 def test_extra_args_are_appended_in_order(catalogue):
-    extra = ["--enforce-eager", "--max-num-seqs", "8", "--moe-backend=triton"]
+    extra = ["--enforce-eager", "--seed", "8", "--moe-backend=triton"]
     base = spark_serve_argv(settings(spec_method="mtp"), catalogue)
     argv = spark_serve_argv(settings(spec_method="mtp", vllm_serve_extra_args=extra), catalogue)
     assert argv == base + extra
@@ -471,7 +479,13 @@ def test_extra_args_default_is_empty(catalogue):
     (["--max_model_len=4096"], "vllm_max_model_len"),
     (["--speculative-config", "{}"], "spec_method"),
     (["--api-key", "secret"], "never in argv"),
-    (["--enable-prefix-caching"], "prefix caching stays off"),
+    (["--enable-prefix-caching"], "vllm_enable_prefix_caching"),
+    (["--no-enable-prefix-caching"], "vllm_enable_prefix_caching"),
+    (["--enable-auto-tool-choice"], "vllm_enable_auto_tool_choice"),
+    (["--tool-call-parser", "hermes"], "vllm_tool_call_parser"),
+    (["--tool_call_parser=hermes"], "vllm_tool_call_parser"),
+    (["--max-num-seqs", "8"], "vllm_max_num_seqs"),
+    (["--load-format=safetensors"], "vllm_load_format"),
     (["--attention-backend", "FLASH_ATTN"], "serve_flags in methods.yml"),
 ])
 def test_extra_args_refused_with_the_fix(catalogue, bad, fragment):
@@ -499,3 +513,92 @@ def test_attention_backend_override_applies_to_every_method(catalogue):
 def test_attention_backend_override_refuses_non_names(catalogue, bad):
     (error,) = spark_method_settings_errors(settings(vllm_attention_backend=bad), catalogue)
     assert "vllm_attention_backend" in error and "FLASH_ATTN" in error
+
+
+# ---- attention backend: catalogue per method, every-method and per-method overrides
+
+
+def test_catalogue_backends_flashinfer_except_dflash(catalogue):
+    for method in METHODS:
+        expected = "FLASH_ATTN" if method == "dflash" else "FLASHINFER"
+        assert catalogue[method]["serve_flags"]["attention_backend"] == expected, method
+
+
+def test_per_method_backend_overrides_the_rest(catalogue):
+    def backend(s, method):
+        return opt(spark_serve_argv(dict(s, spec_method=method), catalogue), "--attention-backend")
+
+    s = settings(vllm_attention_backend="TRITON_ATTN", vllm_attention_backends={"dflash": "FLASHINFER"})
+    assert backend(s, "dflash") == "FLASHINFER"
+    assert backend(s, "mtp") == "TRITON_ATTN"
+    s = settings(vllm_attention_backends={"baseline": "FLASH_ATTN"})
+    assert backend(s, "baseline") == "FLASH_ATTN"
+    assert backend(s, "ngram") == "FLASHINFER"
+    argv = spark_serve_argv(dict(s, spec_method="baseline"), catalogue)
+    assert argv.count("--attention-backend") == 1
+
+
+@pytest.mark.parametrize(("bad", "fragment"), [
+    ({"bogus": "FLASHINFER"}, "'bogus', which is not a known method"),
+    ({"mtp": "flash attn"}, "vllm_attention_backends['mtp']='flash attn' is not a backend name"),
+    ({"mtp": ""}, "is not a backend name"),
+    ('{"mtp": "FLASHINFER"}', "-e '{"),
+    (["FLASHINFER"], "is not a mapping"),
+])
+def test_per_method_backend_refused_with_the_fix(catalogue, bad, fragment):
+    (error,) = spark_method_settings_errors(settings(vllm_attention_backends=bad), catalogue)
+    assert fragment in error and "vllm_attention_backends" in error, error
+
+
+# ---- tool calling, prefix caching, --max-num-seqs, --load-format
+
+
+def test_tool_calling_on_by_default(catalogue):
+    for method in METHODS:
+        argv = spark_serve_argv(settings(spec_method=method), catalogue)
+        assert "--enable-auto-tool-choice" in argv
+        assert opt(argv, "--tool-call-parser") == "qwen3_coder"
+
+
+def test_tool_calling_off_and_other_parser(catalogue):
+    argv = spark_serve_argv(settings(vllm_enable_auto_tool_choice=False), catalogue)
+    assert "--enable-auto-tool-choice" not in argv and "--tool-call-parser" not in argv
+    # the parser is irrelevant (not checked) while tool calling is off
+    assert spark_method_settings_errors(settings(vllm_enable_auto_tool_choice=False,
+                                                 vllm_tool_call_parser=""), catalogue) == []
+    argv = spark_serve_argv(settings(vllm_tool_call_parser="hermes"), catalogue)
+    assert opt(argv, "--tool-call-parser") == "hermes"
+
+
+@pytest.mark.parametrize(("overrides", "fragments"), [
+    ({"vllm_enable_auto_tool_choice": "false"},
+     ["vllm_enable_auto_tool_choice='false' is not a boolean", "-e '{"]),
+    ({"vllm_tool_call_parser": ""}, ["vllm_tool_call_parser=''", "qwen3_coder",
+                                     "vllm_enable_auto_tool_choice=false"]),
+    ({"vllm_tool_call_parser": "qwen3 coder"}, ["is not a parser name"]),
+    ({"vllm_tool_call_parser": None}, ["vllm_tool_call_parser=None"]),
+    ({"vllm_enable_prefix_caching": 1}, ["vllm_enable_prefix_caching=1 is not a boolean"]),
+    ({"vllm_max_num_seqs": 0}, ["vllm_max_num_seqs=0 is out of range", ">= 1"]),
+    ({"vllm_max_num_seqs": "8"}, ["vllm_max_num_seqs='8' is not an integer", "-e '{"]),
+    ({"vllm_load_format": "safetensor"}, ["vllm_load_format='safetensor'", "fastsafetensors"]),
+    ({"vllm_load_format": 3}, ["vllm_load_format=3"]),
+])
+def test_serving_feature_knobs_refused_with_the_fix(catalogue, overrides, fragments):
+    (error,) = spark_method_settings_errors(settings(**overrides), catalogue)
+    for fragment in fragments:
+        assert fragment in error, error
+
+
+def test_prefix_caching_knob(catalogue):
+    argv = spark_serve_argv(settings(vllm_enable_prefix_caching=True), catalogue)
+    assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
+
+
+@pytest.mark.parametrize("load_format", ["auto", "safetensors", "fastsafetensors", "instanttensor",
+                                         "runai_streamer"])
+def test_max_num_seqs_and_load_format(catalogue, load_format):
+    argv = spark_serve_argv(settings(vllm_max_num_seqs=8, vllm_load_format=load_format), catalogue)
+    assert opt(argv, "--max-num-seqs") == "8"
+    assert opt(argv, "--load-format") == load_format
+    default = spark_serve_argv(settings(), catalogue)
+    assert "--max-num-seqs" not in default and "--load-format" not in default

@@ -127,6 +127,7 @@ def serve_ctx(tmp_path: Path, method: str = "mtp", cluster_env: str = "") -> dic
         _serve_methods=list(cat),
         _serve_unit=f"{ctx['serve_unit_prefix']}-{method}.service",
         _serve_secrets_file=str(tmp_path / "secrets.env"),
+        _serve_hf_token_file=str(tmp_path / "hf-token"),
         _serve_cache_mounts={"vllm": f"{home}/.cache/vllm", "triton": f"{home}/.triton"},
         _serve_image=IMAGE,
         _serve_docker_opts=DOCKER_OPTS,

@@ -39,6 +39,17 @@ def test_run_records_what_was_served():
     assert meta["config_hash"]
 
 
+def test_url_came_from_the_serve_fact_not_loopback(host):
+    """The stand-in answers only on the LAN address in the serve fact, and only with the key."""
+    fact = json.loads(host.file("/etc/ansible/facts.d/spark_serve.fact").content_string)
+    meta = _runs()[0]["meta"]
+    assert meta["base_url"] == f"http://{fact['host']}:{fact['port']}"
+    assert not fact["host"].startswith("127.")
+    assert meta["server_models"] == ["qwen3.5-122b"]  # /v1/models answered: the key was sent
+    assert host.run("curl -sf --max-time 5 http://127.0.0.1:8011/health").rc != 0
+    assert "sk-molecule-bench-KEY-51c2" not in json.dumps(_runs()[0])
+
+
 def test_store_holds_the_run_once():
     with sqlite3.connect(RESULTS / "results.sqlite") as db:
         rows = db.execute("SELECT label, valid FROM runs").fetchall()

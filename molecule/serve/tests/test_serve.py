@@ -8,6 +8,7 @@ exercises the bind/API-key rules.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from playbook_runner import run_playbook
@@ -18,6 +19,8 @@ UNIT = "sparkllm-vllm-{}.service"
 CONTAINER = "molserve-vllm-{}"
 CONF = "/etc/sparkllm/serve"
 SECRETS = f"{CONF}/secrets.env"
+HF_TOKEN_FILE = f"{CONF}/hf-token"
+HASH_KEY = f"{CONF}/config-hash.key"
 FACT = "/etc/ansible/facts.d/spark_serve.fact"
 TOKEN = "hf_MOLECULEserveFAKEtoken0123456789"  # host_vars/spark-serve.yml
 KEY_FILE = "/etc/sparkllm-test-api-key"  # prepare.yml
@@ -25,8 +28,9 @@ API_KEY = "sk-molecule-serve-KEY-9f3a"
 ROLLBACK_MSG = "mtp failed to become ready; rolled back to ngram, which is serving"
 
 
-def _models(host) -> list[str]:
-    out = host.check_output(f"curl -sf --max-time 5 http://127.0.0.1:{PORT}/v1/models")
+def _models(host, key: str = "") -> list[str]:
+    auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+    out = host.check_output(f"curl -sf --max-time 5{auth} http://127.0.0.1:{PORT}/v1/models")
     return [m["id"] for m in json.loads(out)["data"]]
 
 
@@ -82,6 +86,9 @@ def test_speculative_config_survives_env_file_and_systemd(host):
     assert _option(args, "--host") == "127.0.0.1"
     assert "--no-enable-prefix-caching" in args
     assert "--disable-log-stats" not in args
+    # tool calling on by default, with Qwen3.5's parser
+    assert "--enable-auto-tool-choice" in args
+    assert _option(args, "--tool-call-parser") == "qwen3_coder"
     # the env file says the same thing as what the container got
     assert ["serve"] + _env_words(host, "mtp", "SPARKLLM_SERVE_ARGS") == args
 
@@ -124,20 +131,39 @@ def test_units_come_from_the_user_template(host, method):
     assert "SPARKLLM_UNIT_TEMPLATE=molecule-serve-override" in env.split()
 
 
-def test_hf_token_only_in_the_root_only_secrets_file(host):
+def test_hf_token_only_in_its_root_only_file_and_not_in_mtp(host):
     hits = host.run(f"grep -rl {TOKEN} /etc/systemd/system /etc/sparkllm /etc/ansible").stdout.split()
-    assert hits == [SECRETS]
-    f = host.file(SECRETS)
-    assert (f.user, f.group, f.mode) == ("root", "root", 0o600)
+    assert hits == [HF_TOKEN_FILE]
+    for path in (HF_TOKEN_FILE, SECRETS, HASH_KEY):
+        f = host.file(path)
+        assert (f.user, f.group, f.mode) == ("root", "root", 0o600), path
     info = _inspect(host, "mtp")
-    assert TOKEN not in json.dumps(info["Args"]) + json.dumps(info["Path"])
-    assert f"HF_TOKEN={TOKEN}" in info["Config"]["Env"]  # delivered through --env-file
+    # mtp downloads nothing: neither the token nor its file reaches its container
+    assert TOKEN not in json.dumps(info)
+    assert not any(e.startswith(("HF_TOKEN=", "HF_TOKEN_PATH=")) for e in info["Config"]["Env"])
+    assert not any("hf-token" in b for b in info["HostConfig"]["Binds"])
     assert TOKEN not in host.check_output("ps -eo args")
+
+
+def test_config_hash_is_an_hmac_under_the_root_only_key(host):
+    """The 0644 fact holds an HMAC: without the 0600 key nobody can test API key guesses against it."""
+    import hashlib
+    import hmac
+
+    sums = [host.file(p).sha256sum for p in (f"/etc/systemd/system/{UNIT.format('mtp')}", f"{CONF}/mtp.env",
+                                             SECRETS)]
+    key = host.file(HASH_KEY).content_string
+    assert len(key) == 64
+    expected = hmac.new(key.encode(), "\n".join(sums).encode(), hashlib.sha256).hexdigest()
+    assert _fact(host)["config_hash"] == expected
+    assert _fact(host)["config_hash"] != hashlib.sha256(":".join(sums).encode()).hexdigest()
 
 
 def test_fact_remembers_method_hash_and_image(host):
     fact = _fact(host)
     assert fact["active_method"] == "mtp"
+    assert (fact["scheme"], fact["host"], fact["port"]) == ("http", "127.0.0.1", PORT)
+    assert fact["base_url"] == f"http://127.0.0.1:{PORT}"
     assert fact["image"] == "serve-standin:test"
     assert len(fact["config_hash"]) == 64
     assert host.file(FACT).mode == 0o644
@@ -155,7 +181,7 @@ def test_ngram_is_the_only_server_after_switch(host):
     assert _models(host) == ["qwen3.5-122b"]
     spec = json.loads(_option(_inspect(host, "ngram")["Args"], "--speculative-config"))
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 5
-    assert "--attention-backend" not in _inspect(host, "ngram")["Args"]
+    assert _option(_inspect(host, "ngram")["Args"], "--attention-backend") == "FLASHINFER"  # catalogue
     assert _fact(host)["active_method"] == "ngram"
 
 
@@ -166,6 +192,14 @@ def test_failing_method_rolls_back_to_ngram(host):
     assert ROLLBACK_MSG in res.output
     assert "journalctl -u sparkllm-vllm-mtp.service" in res.output
     assert "STANDIN_FAIL=1, refusing to start" in res.output  # the failed unit's journal was printed
+    # the failure message carries the post-mortem: the first EngineCore traceback (its cause, without
+    # the log prefixes; not the API server's traceback that follows it) and /proc/meminfo figures
+    fail = res.output[res.output.rindex(ROLLBACK_MSG):]
+    assert "First EngineCore traceback (journalctl -u sparkllm-vllm-mtp.service" in fail
+    cause = r"^\s*torch\.OutOfMemoryError: stand-in: CUDA out of memory \(STANDIN_FAIL=1\)$"
+    assert re.search(cause, fail, re.M)
+    assert "Engine core initialization failed" not in fail
+    assert re.search(r"Memory at the failure \(/proc/meminfo\): MemTotal [\d.]+ GiB, MemAvailable", fail)
     assert TOKEN not in res.output
     _assert_only_active(host, "ngram")
     assert _models(host) == ["qwen3.5-122b"]
@@ -203,4 +237,22 @@ def test_non_loopback_bind_with_key_file(host):
     assert f"VLLM_API_KEY={API_KEY}" in info["Config"]["Env"]
     hits = host.run(f"grep -rl {API_KEY} /etc/systemd/system /etc/sparkllm /etc/ansible").stdout.split()
     assert hits == [SECRETS]
-    assert _models(host) == ["qwen3.5-122b"]
+    assert _models(host, key=API_KEY) == ["qwen3.5-122b"]
+    # the stand-in enforces the key like vLLM: without it /v1 is refused
+    assert host.run(f"curl -sf --max-time 5 http://127.0.0.1:{PORT}/v1/models").rc != 0
+    # the fact records where the server answers, for the bench stage
+    fact = _fact(host)
+    assert (fact["scheme"], fact["host"], fact["port"]) == ("http", "127.0.0.1", PORT)
+
+
+def test_dflash_alone_gets_the_hf_token_file(host):
+    """The drafter download needs the token: dflash's container gets the 0600 file, never the value."""
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash"})
+    assert res.rc == 0, res.output[-3000:]
+    assert TOKEN not in res.output
+    _assert_only_active(host, "dflash")
+    info = _inspect(host, "dflash")
+    assert f"{HF_TOKEN_FILE}:/run/secrets/hf_token:ro" in info["HostConfig"]["Binds"]
+    assert "HF_TOKEN_PATH=/run/secrets/hf_token" in info["Config"]["Env"]
+    assert TOKEN not in json.dumps(info)  # docker inspect shows the path, not the token
+    assert host.check_output(f"docker exec {CONTAINER.format('dflash')} cat /run/secrets/hf_token") == TOKEN
