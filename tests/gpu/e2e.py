@@ -458,6 +458,20 @@ def main(argv: list[str] | None = None) -> int:
                 summary["figures"][f"{k}_vs_baseline"] = cmp
                 check(f"{k}: same greedy tokens as baseline (lossless)",
                       cmp["same_tokens"] >= len(PROMPTS) - 1, f"{cmp['same_tokens']}/{cmp['prompts']}")
+        if "hybrid-base" in results:
+            tool = {"type": "function", "function": {
+                "name": "get_weather", "description": "weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+            try:
+                r = post(servers["hybrid-base"].url + "/v1/chat/completions", {
+                    "model": "tiny", "messages": [{"role": "user", "content": "Weather in Seoul?"}],
+                    "tools": [tool], "tool_choice": "auto", "max_tokens": 16, "temperature": 0})
+                tool_ok, detail = "choices" in r, {"finish_reason": r["choices"][0].get("finish_reason")}
+            except urllib.error.HTTPError as e:
+                tool_ok, detail = False, f"HTTP {e.code}: {e.read()[:300]!r}"
+            except (OSError, ValueError, KeyError) as e:
+                tool_ok, detail = False, f"{type(e).__name__}: {e}"
+            check("tool calling: a request with tools is served (was HTTP 400)", tool_ok, detail)
         rec = servers["recipe-mtp"]
         summary["recipe_without_mtp_index_patch"] = {
             "state": states["recipe-mtp"], "exit_code": rec.exit_code,
