@@ -8,7 +8,9 @@ files present but not listed are problems); metadata.total_size equals the sum o
 with --expect-mtp the mtp.* tensors are registered (all of model_extra_tensors.safetensors when
 present); every F8_E4M3 weight has a *.weight_scale_inv partner whose shape is
 (ceil(rows/b), ceil(cols/b)) for one block size b shared across the checkpoint; with
---expect-hybrid at least one FP8 weight exists and no FP8 tensor is under ".experts.".
+--expect-hybrid at least one FP8 weight exists and no FP8 tensor is under ".experts."; with
+--expect-tool-tokens the tokenizer has the <tool_call> and </tool_call> tokens (without them vLLM's Qwen
+tool parsers make every chat request fail with HTTP 500 when tool calling is on).
 
 Exit codes: 0 valid, 1 invalid (one line per problem on stdout, or JSON with --json), 2 usage error
 (bad arguments, DIR not a directory).
@@ -35,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", type=Path, help="checkpoint directory")
     p.add_argument("--expect-mtp", action="store_true", help="require registered mtp.* tensors")
     p.add_argument("--expect-hybrid", action="store_true", help="require FP8 weights, none under .experts.")
+    p.add_argument("--expect-tool-tokens", action="store_true",
+                   help="require the <tool_call> and </tool_call> tokens vLLM's Qwen tool parsers need")
     p.add_argument("--json", action="store_true", help="print a JSON report")
     return p
 
@@ -47,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    r = verify_checkpoint(a.dir, expect_mtp=a.expect_mtp, expect_hybrid=a.expect_hybrid)
+    r = verify_checkpoint(a.dir, expect_mtp=a.expect_mtp, expect_hybrid=a.expect_hybrid,
+                          expect_tool_tokens=a.expect_tool_tokens)
     if a.json:
         print(
             json.dumps(

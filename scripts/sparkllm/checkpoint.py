@@ -552,8 +552,47 @@ def _check_fp8_scales(table: Mapping[str, TensorSource], report: VerifyReport) -
         report.block_size = 128 if lo <= 128 <= hi else int(lo)
 
 
-def verify_checkpoint(directory: Path, expect_mtp: bool = False, expect_hybrid: bool = False) -> VerifyReport:
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+
+
+def tokenizer_tokens(directory: Path) -> set[str] | None:
+    """The token strings of the checkpoint's tokenizer.json (vocabulary and added tokens); None
+    when there is no readable tokenizer.json."""
+    try:
+        doc = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    model = doc.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    tokens = set(vocab) if isinstance(vocab, dict) else set()
+    for added in doc.get("added_tokens") or []:
+        if isinstance(added, dict) and isinstance(added.get("content"), str):
+            tokens.add(added["content"])
+    return tokens
+
+
+def check_tool_tokens(directory: Path) -> list[str]:
+    """Problems that stop vLLM's Qwen tool-call parsers (qwen3_coder, qwen3_xml, hermes): without
+    these tokens in the tokenizer, a server started with --enable-auto-tool-choice answers HTTP 500
+    to every chat request, with tools or without (seen on vLLM 0.20.0)."""
+    tokens = tokenizer_tokens(directory)
+    if tokens is None:
+        return [f"{directory}/tokenizer.json: missing or unreadable; the tool-call tokens cannot be checked"]
+    missing = [t for t in TOOL_CALL_TOKENS if t not in tokens]
+    if not missing:
+        return []
+    return [f"{directory}/tokenizer.json: no {' / '.join(missing)} token: with tool calling on, vLLM answers "
+            f"HTTP 500 to every chat request; use the model's own tokenizer, or set "
+            f"vllm_enable_auto_tool_choice: false"]
+
+
+def verify_checkpoint(directory: Path, expect_mtp: bool = False, expect_hybrid: bool = False,
+                      expect_tool_tokens: bool = False) -> VerifyReport:
     report = VerifyReport()
+    if expect_tool_tokens:
+        report.problems.extend(check_tool_tokens(directory))
     idx_path = directory / INDEX_NAME
     files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
     report.files = len(files)

@@ -117,7 +117,7 @@ def build_models(work: Path) -> dict:
         raise SystemExit(f"mtp_index_patch.py failed: {patch.stderr or patch.stdout}")
     out["mtp_index_patch"] = json.loads(patch.stdout)
     verify = run([py, str(ROOT / "scripts/verify_checkpoint.py"), str(hybrid), "--expect-mtp",
-                  "--expect-hybrid", "--json"])
+                  "--expect-hybrid", "--expect-tool-tokens", "--json"])
     out["verify"] = json.loads(verify.stdout)
     if verify.returncode:
         raise SystemExit(f"verify_checkpoint.py refused our hybrid: {verify.stdout}")

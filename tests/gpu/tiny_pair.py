@@ -78,7 +78,8 @@ EXTRA_FILE = "model_extra_tensors.safetensors"
 MARKER = ".sparkllm_tiny_pair.json"
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-            "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]
+            "<|image_pad|>", "<|video_pad|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+            "<tool_response>", "</tool_response>"]  # Qwen's own; vLLM's tool parsers need <tool_call>
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -117,7 +118,8 @@ def write_tokenizer(d: Path) -> None:
     table = _byte_unicode()
     vocab = {table[b]: b for b in range(256)}
     added = [{"id": special_id(s), "content": s, "single_word": False, "lstrip": False,
-              "rstrip": False, "normalized": False, "special": True} for s in SPECIALS]
+              "rstrip": False, "normalized": False, "special": not s.startswith(("<tool", "</tool"))}
+             for s in SPECIALS]  # like Qwen's: tool tags are not special (they stay in decoded text)
     tok = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
         "normalizer": None,

@@ -162,3 +162,27 @@ def test_block_range(n: int, s: int, expected) -> None:
         assert -(-n // lo) == s
         if hi != float("inf"):
             assert -(-n // int(hi)) == s and -(-n // (int(hi) + 1)) != s
+
+
+def test_tool_call_tokens_are_required_when_asked(merged: Path, tmp_path: Path) -> None:
+    """The fixture's placeholder tokenizer has no <tool_call>: refused with the consequence and the fix;
+    a tokenizer that has them (the GPU run's tiny pair, like Qwen's) passes."""
+    rc, lines = verify(merged, "--expect-tool-tokens")
+    assert rc == 1
+    wanted = ("<tool_call> / </tool_call>", "HTTP 500", "vllm_enable_auto_tool_choice")
+    assert any(all(w in ln for w in wanted) for ln in lines), lines
+    assert verify(merged)[0] == 0  # not asked: not checked
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import tiny_pair
+
+    good = tmp_path / "tok"
+    good.mkdir()
+    tiny_pair.write_tokenizer(good)
+    assert ck.check_tool_tokens(good) == []
+    doc = json.loads((good / "tokenizer.json").read_text())
+    doc["added_tokens"] = [a for a in doc["added_tokens"] if a["content"] != "</tool_call>"]
+    (good / "tokenizer.json").write_text(json.dumps(doc))
+    (problem,) = ck.check_tool_tokens(good)
+    assert "no </tool_call> token" in problem
+    (good / "tokenizer.json").unlink()
+    assert "missing or unreadable" in ck.check_tool_tokens(good)[0]
