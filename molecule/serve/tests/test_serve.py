@@ -157,6 +157,8 @@ def test_config_hash_is_an_hmac_under_the_root_only_key(host):
     expected = hmac.new(key.encode(), "\n".join(sums).encode(), hashlib.sha256).hexdigest()
     assert _fact(host)["config_hash"] == expected
     assert _fact(host)["config_hash"] != hashlib.sha256(":".join(sums).encode()).hexdigest()
+    # what benchmarks key on: unit and env file only, no secret, the same on a rebuilt host
+    assert _fact(host)["settings_hash"] == hashlib.sha256(",".join(sums[:2]).encode()).hexdigest()
 
 
 def test_fact_remembers_method_hash_and_image(host):
