@@ -353,10 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"hybrid_merge: error: {exc}", file=sys.stderr)
         return 2
-    except (CheckpointError, SafetensorsError) as exc:
-        print(f"hybrid_merge: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
+    except (CheckpointError, SafetensorsError, OSError) as exc:
         print(f"hybrid_merge: error: {exc}", file=sys.stderr)
         return 1
     if result is None:

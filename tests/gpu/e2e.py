@@ -39,6 +39,7 @@ check passed, 1 when one failed (each failure named), 2 usage.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -134,47 +135,24 @@ def build_models(work: Path) -> dict:
     return out
 
 
-def patched_vllm(work: Path, stock_site: Path, version: str,
-                 prepatched: Path | None = None) -> tuple[Path, list[str]]:
-    """A copy of the installed vllm package with our series applied (the original is untouched).
-
-    Without ``patch`` or ``git`` on the host, ``prepatched`` (a directory holding the series
-    applied elsewhere to the same release's files, e.g. by ``patch -p1``) replaces the patched
-    files, after checking that the originals it was made from are the installed ones."""
+def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list[str]]:
+    """A copy of the installed vllm package with our series applied by ``patch -p1`` (the
+    installed package is never modified)."""
     series_dir = ROOT / "patches" / f"vllm-{version}"
     names = [ln.strip() for ln in (series_dir / "series").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
+    if not shutil.which("patch"):
+        raise SystemExit("e2e.py: GNU patch is not installed: it applies our vLLM patches")
     dest = work / "vllm-patched"
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     shutil.copytree(stock_site / "vllm", dest / "vllm", symlinks=True)
     for name in names:
         diff = (series_dir / name).read_text()
-        if shutil.which("patch"):
-            r = run(["patch", "-p1", "-d", str(dest), "--forward", "--batch"], input=diff)
-        elif prepatched is not None:
-            r = _copy_prepatched(prepatched, stock_site, dest)
-        elif shutil.which("git"):
-            r = run(["git", "apply", "--unsafe-paths", f"--directory={dest.relative_to(dest.anchor)}", "-"],
-                    input=diff, cwd=dest.anchor)
-        else:
-            raise SystemExit("neither patch nor git is installed: cannot apply our vLLM patches")
+        r = run(["patch", "-p1", "-d", str(dest), "--forward", "--batch"], input=diff)
         if r.returncode:
             raise SystemExit(f"patch {name} does not apply to vLLM {version}: {r.stdout}{r.stderr}")
     return dest, names
-
-
-def _copy_prepatched(prepatched: Path, stock_site: Path, dest: Path) -> subprocess.CompletedProcess:
-    """prepatched/MANIFEST.json: {relative path: sha256 of the pristine file}; the files beside it."""
-    import hashlib
-
-    manifest = json.loads((prepatched / "MANIFEST.json").read_text())
-    for rel, pristine_sha in manifest.items():
-        if hashlib.sha256((stock_site / rel).read_bytes()).hexdigest() != pristine_sha:
-            why = f"{rel}: the installed file differs from the one patched"
-            return subprocess.CompletedProcess([], 1, "", why)
-        shutil.copyfile(prepatched / rel, dest / rel)
-    return subprocess.CompletedProcess([], 0, "", "")
 
 
 # ------------------------------------------------------------------ servers
@@ -237,17 +215,11 @@ class Server:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-_CATALOGUE: dict | None = None
-
-
+@functools.cache
 def load_catalogue() -> dict:
-    global _CATALOGUE
-    if _CATALOGUE is None:
-        import yaml
+    import yaml
 
-        doc = yaml.safe_load((ROOT / "group_vars/all/methods.yml").read_text())
-        _CATALOGUE = doc["spark_method_catalogue"]
-    return _CATALOGUE
+    return yaml.safe_load((ROOT / "group_vars/all/methods.yml").read_text())["spark_method_catalogue"]
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -343,8 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 540)")
     ap.add_argument("--start-timeout", type=float, default=360,
                     help="seconds to wait for the servers to come up (default 360)")
-    ap.add_argument("--prepatched", type=Path, default=None,
-                    help="series applied elsewhere, for hosts without patch and git (default: none)")
     ap.add_argument("--bench-max-tokens", type=int, default=128, help="bench.py --max-tokens (default 128)")
     a = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -375,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     models = build_models(a.work)
     summary["pipeline"] = {k: models[k] for k in ("merge", "verify", "recipe_dropped_from_index")}
     log(f"pipeline: merge {models['merge']}, verify ok={models['verify']['ok']}")
-    patched, applied = patched_vllm(a.work, Path(host["site"]), host["vllm"], a.prepatched)
+    patched, applied = patched_vllm(a.work, Path(host["site"]), host["vllm"])
     summary["patches_applied"] = applied
     stock_pp = os.pathsep.join([host["site"], os.environ.get("PYTHONPATH", "")])
     patched_pp = os.pathsep.join([str(patched), stock_pp])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +55,18 @@ def fake_doc(label: str, rep: int, decode: list[float], *, valid: bool = True, s
             "meta": {"method": method or label, "repetition": rep, "config_hash": config_hash,
                      "started_utc": started or f"2026-01-01T00:0{rep}:00.000000Z", "finished_utc": None,
                      "concurrency": 1}}
+
+
+def run_sweep_cell(tmp: Path, site_yml: str, method: str = "mtp", k: int = 2):
+    """Run one sweep cell through the real ansible-runner against ``site_yml`` (a tiny project
+    on localhost); returns (cell config, outcome)."""
+    import sweep
+
+    project = tmp / "project"
+    project.mkdir(exist_ok=True)
+    (project / "site.yml").write_text(site_yml)
+    inv = tmp / "hosts.ini"
+    inv.write_text(f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n")
+    cfg = sweep.CellConfig(method, k)
+    sw = sweep.Sweep([cfg], 1, tmp / "res", project_dir=project, inventory=str(inv))
+    return cfg, sweep.ansible_runner_run(sw.request(sweep.Cell(cfg, 1)))

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import sweep
-from bench_helpers import fake_doc
+from bench_helpers import fake_doc, run_sweep_cell
 
 SPEEDS = {"baseline": 10.0, "ngram": 9.0, "mtp-k1": 12.0, "mtp-k2": 14.0, "mtp-k4": 13.0}
 
@@ -95,10 +94,8 @@ def test_failed_cell_reported(tmp_path: Path) -> None:
 
 
 def test_real_ansible_runner_wiring(tmp_path: Path) -> None:
-    project = tmp_path / "project"
-    project.mkdir()
     out = tmp_path / "out.txt"
-    (project / "site.yml").write_text(f"""---
+    site = (f"""---
 - name: Tiny site
   hosts: all
   gather_facts: false
@@ -122,11 +119,7 @@ def test_real_ansible_runner_wiring(tmp_path: Path) -> None:
         mode: "0644"
       tags: [build]
 """)
-    inv = tmp_path / "hosts.ini"
-    inv.write_text(f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n")
-    cfg = sweep.CellConfig("mtp", 2)
-    sw = sweep.Sweep([cfg], 1, tmp_path / "res", project_dir=project, inventory=str(inv))
-    outcome = sweep.ansible_runner_run(sw.request(sweep.Cell(cfg, 1)))
+    cfg, outcome = run_sweep_cell(tmp_path, site)
     assert outcome.ok, outcome
     assert out.read_text() == f"mtp-k2 1 {cfg.config_hash}"
     assert (tmp_path / "serve.txt").read_text() == "mtp"

@@ -4,18 +4,15 @@ default method list from the catalogue's requirements, usage errors exit 2."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import sweep
-from bench_helpers import fake_doc
+from bench_helpers import fake_doc, run_sweep_cell
 
 
 def test_real_runner_failure_names_task_and_message_and_keeps_artifacts(tmp_path: Path) -> None:
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "site.yml").write_text("""---
+    site = ("""---
 - name: Tiny site
   hosts: all
   gather_facts: false
@@ -30,11 +27,7 @@ def test_real_runner_failure_names_task_and_message_and_keeps_artifacts(tmp_path
         msg: "vLLM did not answer on /health within 900 s; journal says: CUDA out of memory"
       tags: [serve]
 """)
-    inv = tmp_path / "hosts.ini"
-    inv.write_text(f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n")
-    cfg = sweep.CellConfig("mtp", 2)
-    sw = sweep.Sweep([cfg], 1, tmp_path / "res", project_dir=project, inventory=str(inv))
-    outcome = sweep.ansible_runner_run(sw.request(sweep.Cell(cfg, 1)))
+    cfg, outcome = run_sweep_cell(tmp_path, site)
     assert not outcome.ok and outcome.rc == 2
     assert outcome.failure == ("task 'Wait for the server' failed on localhost: vLLM did not answer on "
                                "/health within 900 s; journal says: CUDA out of memory")
