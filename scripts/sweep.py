@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import bench
+from sparkllm import bench_report, bench_store
 from sparkllm.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -234,9 +234,9 @@ def schedule(configs: Sequence[CellConfig], repeats: int) -> list[Cell]:
 
 def recorded_cells(results_dir: Path) -> set[tuple[str, int]]:
     """(config_hash, repetition) of the valid runs in the store."""
-    if not (results_dir / bench.STORE_NAME).exists():
+    if not (results_dir / bench_store.STORE_NAME).exists():
         return set()
-    conn = bench.open_store(results_dir)
+    conn = bench_store.open_store(results_dir)
     try:
         rows = conn.execute("SELECT config_hash, repetition FROM runs WHERE valid = 1 "
                             "AND config_hash IS NOT NULL AND repetition IS NOT NULL").fetchall()
@@ -315,7 +315,7 @@ class Sweep:
 
     def _import(self) -> None:
         if self.results_dir.is_dir():
-            bench.import_runs([self.results_dir], self.results_dir)
+            bench_store.import_runs([self.results_dir], self.results_dir)
 
     def run(self) -> SweepResult:
         self.results_dir.mkdir(parents=True, exist_ok=True)
@@ -349,9 +349,9 @@ class Sweep:
         return res
 
     def finish(self, res: SweepResult) -> None:
-        if not (self.results_dir / bench.STORE_NAME).exists():
+        if not (self.results_dir / bench_store.STORE_NAME).exists():
             return
-        res.report, stats = bench.make_report(self.results_dir, charts=self.charts)
+        res.report, stats = bench_report.make_report(self.results_dir, charts=self.charts)
         by_hash = {c.config_hash: c for c in self.configs}
         ranked = [s for s in stats if s.config_hash in by_hash and s.decode["median"] is not None]
         if ranked:

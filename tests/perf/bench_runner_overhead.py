@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench  # noqa: E402
+from sparkllm import bench_client, bench_runner  # noqa: E402
 
 
 def free_port() -> int:
@@ -51,10 +51,10 @@ def measure(url: str, concurrency: int, requests: int, max_tokens: int, tmp: Pat
                                            "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
                                for i in range(requests)))
     before = len(json.load(urllib.request.urlopen(url + "/standin/truth")))
-    opts = bench.RunOptions(base_url=url, model="standin-model", label="perf", out=tmp, prompts=prompts,
-                            warmup=2, concurrency=concurrency, progress=False,
-                            sampling=bench.Sampling(max_tokens=max_tokens))
-    doc = bench.execute_run(opts)
+    opts = bench_runner.RunOptions(base_url=url, model="standin-model", label="perf", out=tmp,
+                                   prompts=prompts, warmup=2, concurrency=concurrency, progress=False,
+                                   sampling=bench_client.Sampling(max_tokens=max_tokens))
+    doc = bench_runner.execute_run(opts)
     truth = json.load(urllib.request.urlopen(url + "/standin/truth"))[before + 2 + 1:]  # probe + warm-up
     true_rates = [t["decode_tok_s"] for t in truth]
     true_tokens = sum(t["tokens"] - 1 for t in truth)

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import bench
 from fixtures.standin_server import Config, StandinServer
+from sparkllm import bench_client, bench_runner, bench_stats
 
 
 def write_prompts(path: Path, n_per_cat: int = 2, cats: tuple[str, ...] = ("code", "chat_qa")) -> Path:
@@ -25,11 +25,12 @@ def run_against(cfg: Config, tmp: Path, *, label: str = "x", max_tokens: int = 1
                 sample_interval: float = 0.05) -> tuple[dict[str, Any], StandinServer]:
     prompts = write_prompts(tmp / "p.jsonl")
     with StandinServer(cfg) as srv:
-        opts = bench.RunOptions(base_url=srv.base_url, model=cfg.model, label=label, out=tmp / "out",
-                                prompts=prompts, repeats=repeats, warmup=warmup, concurrency=concurrency,
-                                sampling=bench.Sampling(max_tokens=max_tokens), meta=meta or {},
-                                sample_interval=sample_interval, progress=False)
-        doc = bench.execute_run(opts)
+        opts = bench_runner.RunOptions(base_url=srv.base_url, model=cfg.model, label=label, out=tmp / "out",
+                                       prompts=prompts, repeats=repeats, warmup=warmup,
+                                       concurrency=concurrency, meta=meta or {},
+                                       sampling=bench_client.Sampling(max_tokens=max_tokens),
+                                       sample_interval=sample_interval, progress=False)
+        doc = bench_runner.execute_run(opts)
     return doc, srv
 
 
@@ -41,9 +42,9 @@ def fake_doc(label: str, rep: int, decode: list[float], *, valid: bool = True, s
              "ok": True, "error": None, "output_tokens": 11, "chunks": 6, "ttft_s": 0.1, "decode_s": 10 / d,
              "e2e_s": 0.1 + 10 / d, "decode_tok_s": d, "tpot_ms": 100.0 / d, "tokens_per_chunk": 2.0,
              "continuous_usage": True} for i, d in enumerate(decode)]
-    summary = bench.summarise([], 1.0)
-    summary["decode_tok_s"] = bench.describe(decode)
-    summary["ttft_s"] = bench.describe([0.1] * len(decode))
+    summary = bench_runner.summarise([], 1.0)
+    summary["decode_tok_s"] = bench_stats.describe(decode)
+    summary["ttft_s"] = bench_stats.describe([0.1] * len(decode))
     summary["requests"] = summary["ok"] = len(decode)
     spec = {"acceptance_rate": None, "mean_acceptance_length": None, "per_position": per_position,
             "effective_tokens_per_step": None}

@@ -30,6 +30,7 @@ import verify_checkpoint
 from bench_helpers import write_prompts
 from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
 from fixtures.standin_server import Config, StandinServer
+from sparkllm import bench_report, bench_store
 from sparkllm import checkpoint as ck
 from sparkllm.outdir import MARKER
 from sparkllm.safetensors_io import INDEX_NAME
@@ -238,7 +239,7 @@ def prepare(w: World) -> None:
     (plain / INDEX_NAME).write_text(json.dumps(doc))
     store = w.root / "store"
     store.mkdir()
-    bench.open_store(store).close()
+    bench_store.open_store(store).close()
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
@@ -274,16 +275,16 @@ def test_report_without_matplotlib_is_markdown_with_one_line(world: World, monke
     from bench_helpers import fake_doc
 
     store = world.root / "store2"
-    conn = bench.open_store(store)
-    bench.store_run(conn, fake_doc("baseline", 1, [10.0, 11.0]))
+    conn = bench_store.open_store(store)
+    bench_store.store_run(conn, fake_doc("baseline", 1, [10.0, 11.0]))
     conn.close()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert bench.main(["report", str(store)]) == 0
     md = (store / "report" / "report.md").read_text()
-    assert bench.NO_MATPLOTLIB in md and "## Charts" not in md
+    assert bench_report.NO_MATPLOTLIB in md and "## Charts" not in md
     assert not list((store / "report").glob("*.png"))
     captured = capsys.readouterr()
-    assert captured.err.strip() == bench.NO_MATPLOTLIB
+    assert captured.err.strip() == bench_report.NO_MATPLOTLIB
     assert f"wrote {store / 'report' / 'report.md'}" in captured.out
     # a rerun replaces its own earlier report; a legacy (unmarked) report directory is ours too
     (store / "report" / MARKER).unlink()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import bench
 import pytest
+from sparkllm import bench_common, bench_prompts
 
 LINES = [
     {"question_id": 81, "category": "writing", "turns": ["Write a travel blog post.", "Rewrite it."]},
@@ -33,11 +34,11 @@ def manifest(sha: str) -> dict[str, str]:
 def test_file_url_verified_and_converted(tmp_path: Path, source: tuple[Path, str]) -> None:
     f, sha = source
     dest = tmp_path / "out" / "specbench.jsonl"
-    assert bench.fetch_prompts(manifest(sha), dest, url=f.as_uri()) == 2
+    assert bench_prompts.fetch_prompts(manifest(sha), dest, url=f.as_uri()) == 2
     rows = [json.loads(x) for x in dest.read_text().splitlines()]
     assert rows[0] == {"id": "specbench-81", "category": "writing",
                        "messages": [{"role": "user", "content": "Write a travel blog post."}]}
-    prompts, _ = bench.load_prompts(dest)
+    prompts, _ = bench_prompts.load_prompts(dest)
     assert [p.category for p in prompts] == ["writing", "translation"]
 
 
@@ -68,7 +69,7 @@ def test_checksum_mismatch_refused(tmp_path: Path, source: tuple[Path, str]) -> 
     f, _ = source
     dest = tmp_path / "sb.jsonl"
     with pytest.raises(SystemExit, match="sha256 mismatch"):
-        bench.fetch_prompts(manifest("ab" * 32), dest, url=f.as_uri())
+        bench_prompts.fetch_prompts(manifest("ab" * 32), dest, url=f.as_uri())
     assert not dest.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".download")] == []
 
@@ -76,8 +77,8 @@ def test_checksum_mismatch_refused(tmp_path: Path, source: tuple[Path, str]) -> 
 def test_unpinned_refused_unless_allowed(tmp_path: Path, source: tuple[Path, str]) -> None:
     f, _ = source
     with pytest.raises(SystemExit, match="not pinned"):
-        bench.fetch_prompts(manifest("TO-BE-FILLED"), tmp_path / "a.jsonl", url=f.as_uri())
-    assert bench.fetch_prompts(manifest("TO-BE-FILLED"), tmp_path / "a.jsonl", url=f.as_uri(),
+        bench_prompts.fetch_prompts(manifest("TO-BE-FILLED"), tmp_path / "a.jsonl", url=f.as_uri())
+    assert bench_prompts.fetch_prompts(manifest("TO-BE-FILLED"), tmp_path / "a.jsonl", url=f.as_uri(),
                                allow_unpinned=True) == 2
 
 
@@ -86,7 +87,7 @@ SPECBENCH_SHA256 = "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007faf
 
 
 def test_shipped_manifest_is_pinned() -> None:
-    m = json.loads(bench.SPECBENCH_MANIFEST.read_text())
+    m = json.loads(bench_common.SPECBENCH_MANIFEST.read_text())
     assert m["commit"] == SPECBENCH_COMMIT and m["sha256"] == SPECBENCH_SHA256 and m["lines"] == 480
     url = m["url_template"].format(commit=m["commit"])
     assert url == ("https://raw.githubusercontent.com/hemingkx/Spec-Bench/"
@@ -95,7 +96,7 @@ def test_shipped_manifest_is_pinned() -> None:
 
 def test_pinned_manifest_verifies_the_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped manifest, with the download replaced by a local fake: the sha256 decides."""
-    m = json.loads(bench.SPECBENCH_MANIFEST.read_text())
+    m = json.loads(bench_common.SPECBENCH_MANIFEST.read_text())
     seen: list[str] = []
     fake = tmp_path / "fake.jsonl"
     fake.write_text("\n".join(json.dumps(x) for x in LINES) + "\n")
@@ -104,7 +105,7 @@ def test_pinned_manifest_verifies_the_download(tmp_path: Path, monkeypatch: pyte
         seen.append(url)
         return fake.open("rb")
 
-    monkeypatch.setattr(bench.urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(bench_prompts.urllib.request, "urlopen", urlopen)
     dest = tmp_path / "sb.jsonl"
     rc = bench.main(["fetch-prompts", "--source", "specbench", "--dest", str(dest)])
     assert rc == 1 and not dest.exists()  # the fake's sha256 is not the pinned one
@@ -113,14 +114,14 @@ def test_pinned_manifest_verifies_the_download(tmp_path: Path, monkeypatch: pyte
     # the same check passes for a file whose sha256 matches the pin (here: the fake, pinned by hand)
     sha = hashlib.sha256(fake.read_bytes()).hexdigest()
     pinned = {**m, "sha256": sha, "lines": 2}
-    assert bench.fetch_prompts(pinned, dest) == 2
+    assert bench_prompts.fetch_prompts(pinned, dest) == 2
     # ...and a pinned line count that disagrees is refused too
     with pytest.raises(SystemExit, match="the pinned file has 3"):
-        bench.fetch_prompts({**pinned, "lines": 3}, tmp_path / "other.jsonl")
+        bench_prompts.fetch_prompts({**pinned, "lines": 3}, tmp_path / "other.jsonl")
 
 
 def test_shipped_prompt_set() -> None:
-    prompts, sha = bench.load_prompts(bench.DEFAULT_PROMPTS)
+    prompts, sha = bench_prompts.load_prompts(bench_common.DEFAULT_PROMPTS)
     cats: dict[str, int] = {}
     for p in prompts:
         cats[p.category] = cats.get(p.category, 0) + 1

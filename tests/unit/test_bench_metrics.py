@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import bench
 import pytest
 from bench_helpers import run_against
 from fixtures.standin_server import Config
+from sparkllm import bench_stats
 
 GOLDEN = (math.sqrt(5) - 1) / 2  # 1 + a + a^2 = 2
 
@@ -97,16 +97,16 @@ def test_empty_content_chunks_still_timed_by_usage(tmp_path: Path) -> None:
 
 
 def test_describe_and_t_interval() -> None:
-    d = bench.describe([1.0, 2.0, 3.0, 4.0, None])
+    d = bench_stats.describe([1.0, 2.0, 3.0, 4.0, None])
     assert d["n"] == 4 and d["median"] == 2.5 and d["mean"] == 2.5
     assert d["p5"] == pytest.approx(1.15) and d["p95"] == pytest.approx(3.85)
     sd = math.sqrt(5 / 3)
     assert d["ci95_high"] - d["mean"] == pytest.approx(3.182 * sd / 2)
     assert d["cv"] == pytest.approx(sd / 2.5)
-    assert bench.describe([])["median"] is None
-    assert bench.t975(200) == pytest.approx(1.972, abs=2e-3)
+    assert bench_stats.describe([])["median"] is None
+    assert bench_stats.t975(200) == pytest.approx(1.972, abs=2e-3)
 
 
 @pytest.mark.parametrize(("tau", "k", "a"), [(2.44, 2, 0.8), (1.0, 3, 0.0), (4.0, 3, 1.0), (1.5, 1, 0.5)])
 def test_iid_fit(tau: float, k: int, a: float) -> None:
-    assert bench.fit_iid_acceptance(tau, k) == pytest.approx(a, abs=1e-6)
+    assert bench_stats.fit_iid_acceptance(tau, k) == pytest.approx(a, abs=1e-6)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import bench
 import pytest
+from sparkllm import bench_prometheus, bench_runner
 
 TEXT = '''# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter
@@ -23,7 +23,7 @@ process_start_time_seconds 1.7e9
 
 
 def test_parse_sums_engines_and_ignores_created() -> None:
-    s = bench.MetricsSnapshot.parse(TEXT)
+    s = bench_prometheus.MetricsSnapshot.parse(TEXT)
     assert s.total("vllm:generation_tokens_total") == 150.0
     assert s.total("vllm:generation_tokens") is None
     assert s.total("vllm:generation_tokens_total", engine="1") == 50.0
@@ -32,24 +32,24 @@ def test_parse_sums_engines_and_ignores_created() -> None:
 
 
 def test_labels_are_a_set() -> None:
-    s = bench.MetricsSnapshot.parse(TEXT)
-    assert s.by_label(bench.M_ACC_POS, "position") == {"0": 8.0, "1": 3.0}
+    s = bench_prometheus.MetricsSnapshot.parse(TEXT)
+    assert s.by_label(bench_prometheus.M_ACC_POS, "position") == {"0": 8.0, "1": 3.0}
     assert s.total("weird", a='x"y,z') == 1.5
 
 
-def _snap(gen: float, start: float = 1.0) -> bench.MetricsSnapshot:
-    return bench.MetricsSnapshot.parse(f'vllm:generation_tokens_total{{engine="0"}} {gen}\n'
+def _snap(gen: float, start: float = 1.0) -> bench_prometheus.MetricsSnapshot:
+    return bench_prometheus.MetricsSnapshot.parse(f'vllm:generation_tokens_total{{engine="0"}} {gen}\n'
                                        f"process_start_time_seconds {start}\n")
 
 
 def test_restart_detection() -> None:
-    assert bench.restart_problem(_snap(10), _snap(20)) is None
-    assert "backwards" in (bench.restart_problem(_snap(10), _snap(5)) or "")
-    assert "process_start_time_seconds" in (bench.restart_problem(_snap(10), _snap(20, 2.0)) or "")
+    assert bench_prometheus.restart_problem(_snap(10), _snap(20)) is None
+    assert "backwards" in (bench_prometheus.restart_problem(_snap(10), _snap(5)) or "")
+    assert "process_start_time_seconds" in (bench_prometheus.restart_problem(_snap(10), _snap(20, 2.0)) or "")
 
 
 def test_spec_metrics_null_without_spec_counters() -> None:
-    sp = bench.spec_metrics(_snap(10), _snap(20))
+    sp = bench_runner.spec_metrics(_snap(10), _snap(20))
     assert sp["generation_tokens"] == 10
     assert sp["acceptance_rate"] is None and sp["per_position"] is None
     assert sp["effective_tokens_per_step"] is None  # no histogram counts: not computable
@@ -57,8 +57,8 @@ def test_spec_metrics_null_without_spec_counters() -> None:
 
 def test_spec_metrics_from_text_diff() -> None:
     def snap(n: int, d: int, a: int, p0: int, p1: int, gen: int, itl: int,
-             ttft: int) -> bench.MetricsSnapshot:
-        return bench.MetricsSnapshot.parse("\n".join([
+             ttft: int) -> bench_prometheus.MetricsSnapshot:
+        return bench_prometheus.MetricsSnapshot.parse("\n".join([
             f'vllm:spec_decode_num_drafts_total{{model_name="m",engine="0"}} {n}',
             f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {d}',
             f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {a}',
@@ -67,7 +67,8 @@ def test_spec_metrics_from_text_diff() -> None:
             f'vllm:generation_tokens_total{{engine="0"}} {gen}',
             f'vllm:inter_token_latency_seconds_count{{engine="0"}} {itl}',
             f'vllm:time_to_first_token_seconds_count{{engine="0"}} {ttft}']))
-    sp = bench.spec_metrics(snap(10, 20, 5, 4, 1, 100, 50, 5), snap(110, 220, 165, 84, 81, 400, 150, 15))
+    sp = bench_runner.spec_metrics(snap(10, 20, 5, 4, 1, 100, 50, 5),
+                                   snap(110, 220, 165, 84, 81, 400, 150, 15))
     assert sp["acceptance_rate"] == pytest.approx(160 / 200)
     assert sp["mean_acceptance_length"] == pytest.approx(2.6)
     assert sp["per_position"] == pytest.approx([0.8, 0.8])

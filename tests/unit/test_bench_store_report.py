@@ -12,6 +12,7 @@ import bench
 import pytest
 from bench_helpers import fake_doc, write_prompts
 from fixtures.standin_server import Config, StandinServer
+from sparkllm import bench_report, bench_store
 
 
 def test_cli_run_writes_json_and_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,8 +36,8 @@ def test_cli_run_writes_json_and_store(tmp_path: Path, capsys: pytest.CaptureFix
     assert m["sampling"] == {"max_tokens": 9, "temperature": 0.0, "seed": 0, "thinking": "off"}
     assert len(m["prompts"]["sha256"]) == 64 and m["repetition"] == 2 and m["config_hash"] == "abc"
     assert m["method"] == "mtp" and "gpu" in m and m["started_utc"].endswith("Z")
-    conn = sqlite3.connect(tmp_path / "out" / bench.STORE_NAME)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == bench.SCHEMA_VERSION
+    conn = sqlite3.connect(tmp_path / "out" / bench_store.STORE_NAME)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == bench_store.SCHEMA_VERSION
     assert conn.execute("SELECT version FROM schema").fetchall() == [(1,)]
     run = conn.execute("SELECT label, repetition, config_hash, valid FROM runs").fetchall()
     assert run == [("mtp-k2", 2, "abc", 1)]
@@ -45,16 +46,16 @@ def test_cli_run_writes_json_and_store(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_store_refuses_newer_schema(tmp_path: Path) -> None:
-    conn = sqlite3.connect(tmp_path / bench.STORE_NAME)
+    conn = sqlite3.connect(tmp_path / bench_store.STORE_NAME)
     conn.execute("PRAGMA user_version = 99")
     conn.close()
     with pytest.raises(SystemExit, match="newer"):
-        bench.open_store(tmp_path)
+        bench_store.open_store(tmp_path)
 
 
 def test_migrate_is_idempotent(tmp_path: Path) -> None:
-    conn = bench.open_store(tmp_path)
-    assert bench.migrate(conn) == 1
+    conn = bench_store.open_store(tmp_path)
+    assert bench_store.migrate(conn) == 1
     assert conn.execute("SELECT COUNT(*) FROM schema").fetchone()[0] == 1
 
 
@@ -65,10 +66,10 @@ def test_import_idempotent(tmp_path: Path) -> None:
         (fetched / f"r{rep}.json").write_text(json.dumps(fake_doc("baseline", rep, [10.0, 11.0])))
     (fetched / "not-a-run.json").write_text("{}")
     store = tmp_path / "results"
-    assert bench.import_runs([fetched], store) == (2, 0)
-    assert bench.import_runs([fetched], store) == (0, 2)
+    assert bench_store.import_runs([fetched], store) == (2, 0)
+    assert bench_store.import_runs([fetched], store) == (0, 2)
     assert bench.main(["import", str(fetched), "--store", str(store)]) == 0
-    conn = sqlite3.connect(store / bench.STORE_NAME)
+    conn = sqlite3.connect(store / bench_store.STORE_NAME)
     assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 2
     assert conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 4
     assert sorted(p.name for p in store.glob("*.json")) == ["2026-baseline-1.json", "2026-baseline-2.json"]
@@ -88,9 +89,9 @@ def test_report_from_several_runs(tmp_path: Path) -> None:
     docs = [fake_doc("baseline", r, v) for r, v in base.items()]
     docs += [fake_doc("mtp-k2", r, v, per_position=[0.8, 0.6], method="mtp") for r, v in mtp.items()]
     docs.append(fake_doc("mtp-k2", 4, [99.0], valid=False, run_id="bad-run"))
-    conn = bench.open_store(store)
+    conn = bench_store.open_store(store)
     for d in docs:
-        assert bench.store_run(conn, d)
+        assert bench_store.store_run(conn, d)
     conn.close()
     out = tmp_path / "report"
     assert bench.main(["report", str(store), "--out", str(out)]) == 0
@@ -113,18 +114,18 @@ def test_report_from_several_runs(tmp_path: Path) -> None:
 
 
 def test_pairing_by_closest_timestamp() -> None:
-    def row(label: str, ts: str, med: float) -> bench.RunRow:
-        return bench.RunRow(f"{label}{ts}", label, True, [], None, f"2026-01-01T00:{ts}:00.000000Z", med, {},
-                            [], {})
+    def row(label: str, ts: str, med: float) -> bench_report.RunRow:
+        return bench_report.RunRow(f"{label}{ts}", label, True, [], None, f"2026-01-01T00:{ts}:00.000000Z",
+                                   med, {}, [], {})
     base = [row("b", "00", 10), row("b", "10", 20)]
     meth = [row("m", "11", 30), row("m", "01", 12)]
-    pairs = bench.pair_runs(meth, base)
+    pairs = bench_report.pair_runs(meth, base)
     assert [(m.median, b.median) for m, b in pairs] == [(30, 20), (12, 10)]
 
 
 def test_report_without_store_errors(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no results store"):
-        bench.make_report(tmp_path)
+        bench_report.make_report(tmp_path)
 
 
 def test_lookup_finds_only_valid_runs_of_the_same_cell(
@@ -143,7 +144,7 @@ def test_lookup_finds_only_valid_runs_of_the_same_cell(
     src.mkdir()
     (src / "a.json").write_text(json.dumps(good))
     (src / "b.json").write_text(json.dumps(bad))
-    bench.import_runs([src], store)
+    bench_store.import_runs([src], store)
     capsys.readouterr()
     assert bench.main(["lookup", "--store", str(store), "--config-hash", "h1", "--repetition", "0"]) == 0
     assert capsys.readouterr().out.strip() == good["run_id"]

@@ -127,27 +127,27 @@ def test_usage_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Captur
 
 def test_report_never_pools_different_contexts() -> None:
     """Same label and hash but a different concurrency: two rows; speedups pair within a context."""
-    import bench
+    from sparkllm import bench_report
 
-    def run(label: str, rep: int, speed: float, conc: int, h: str | None) -> bench.RunRow:
+    def run(label: str, rep: int, speed: float, conc: int, h: str | None) -> bench_report.RunRow:
         doc = fake_doc(label, rep, [speed] * 3, config_hash=h, run_id=f"{label}-{rep}-{conc}")
         doc["meta"]["concurrency"] = conc
-        return bench.RunRow(doc["run_id"], label, True, [], rep, doc["meta"]["started_utc"], speed, doc,
-                            [speed] * 3, {})
+        return bench_report.RunRow(doc["run_id"], label, True, [], rep, doc["meta"]["started_utc"], speed,
+                                   doc, [speed] * 3, {})
 
     runs = [run("baseline", r, 10.0, 1, "b1") for r in (1, 2)]
     runs += [run("baseline", r, 40.0, 8, "b8") for r in (1, 2)]
     runs += [run("mtp-k2", r, 20.0, 1, "m1") for r in (1, 2)]
     runs += [run("mtp-k2", r, 60.0, 8, "m8") for r in (1, 2)]
-    rows = {m.label: m for m in bench.method_table(runs, "baseline")}
+    rows = {m.label: m for m in bench_report.method_table(runs, "baseline")}
     assert set(rows) == {"baseline [b1]", "baseline [b8]", "mtp-k2 [m1]", "mtp-k2 [m8]"}
     assert rows["mtp-k2 [m1]"].speedup["gmean"] == pytest.approx(2.0)
     assert rows["mtp-k2 [m8]"].speedup["gmean"] == pytest.approx(1.5)
     assert rows["mtp-k2 [m8]"].baseline_row == "baseline [b8]"
-    md = bench.render_markdown(list(rows.values()), [], "baseline", [])
+    md = bench_report.render_markdown(list(rows.values()), [], "baseline", [])
     assert "## Configurations" in md and '"concurrency": 8' in md
     # no baseline in that context: no speedup, and the report says why
-    lone = bench.method_table([run("mtp-k2", 1, 20.0, 4, "m4"), *runs[:2]], "baseline")
+    lone = bench_report.method_table([run("mtp-k2", 1, 20.0, 4, "m4"), *runs[:2]], "baseline")
     m4 = next(m for m in lone if m.base_label == "mtp-k2")
     assert m4.speedup["gmean"] is None and m4.baseline_row is None
-    assert "no baseline run in the same context" in bench.render_markdown(lone, [], "baseline", [])
+    assert "no baseline run in the same context" in bench_report.render_markdown(lone, [], "baseline", [])

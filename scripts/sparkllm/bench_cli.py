@@ -1,0 +1,295 @@
+"""Benchmark runner, results store and report for speculative decoding on an OpenAI/vLLM server.
+
+Subcommands
+-----------
+``run``           (on the Spark; STANDARD LIBRARY ONLY) stream chat completions, scrape /metrics,
+                  write ``DIR/<run-id>.json`` and append to ``DIR/results.sqlite``.
+``import``        (controller) merge run JSON files into a store directory, idempotently.
+``lookup``        (controller) print the valid run stored for a configuration hash + repetition.
+``report``        (controller; matplotlib imported lazily) Markdown report + PNG charts.
+``fetch-prompts`` download Spec-Bench ``question.jsonl`` (pinned commit + sha256) and convert it.
+
+Exit codes: 0 success; 1 the work failed (``run``: nothing answers at ``--base-url``, or the run is
+invalid: it is still written and stored, marked invalid, and one line on stderr says why, also with
+``--quiet``; ``lookup``: no such run); 2 usage error (bad option values, a malformed ``--base-url``,
+missing files named on the command line, an output the tool may not write).
+
+Known ``--meta-json`` keys (all optional, passed by the bench role): ``method``, ``config_hash``,
+``repetition``, ``serve_argv``, ``speculative_config``, ``num_speculative_tokens``, ``topology``,
+``toolkit_commit``, ``model_revision``, ``drafter_revision``; anything else is kept verbatim.
+
+The ``run``, ``import``, ``lookup`` and ``fetch-prompts`` code is standard library only; the report
+module (``sparkllm.bench_report``, matplotlib) is imported only by ``report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import sqlite3
+import sys
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from sparkllm.bench_client import Endpoint, Sampling
+from sparkllm.bench_common import (
+    DEFAULT_PROMPTS,
+    REPORT_DIRNAME,
+    SPECBENCH_MANIFEST,
+    UsageError,
+    WorkFailed,
+    fmt,
+)
+from sparkllm.bench_prompts import fetch_prompts, load_prompts
+from sparkllm.bench_runner import RunOptions, execute_run
+from sparkllm.bench_store import STORE_NAME, atomic_write_json, find_run, import_runs, open_store, store_run
+from sparkllm.cli import HelpFormatter
+
+
+def print_summary(doc: dict[str, Any], out: Any = None) -> None:
+    out = out or sys.stdout
+    s, sp = doc["summary"], doc["spec"]
+    d = s["decode_tok_s"]
+    rows = [
+        ("run", doc["run_id"]), ("valid", "yes" if doc["valid"] else "NO: " + "; ".join(doc["problems"])),
+        ("requests ok/total", f"{s['ok']}/{s['requests']}"),
+        ("decode tok/s median [p5-p95]", f"{fmt(d['median'])} [{fmt(d['p5'])}-{fmt(d['p95'])}]"),
+        ("decode tok/s mean (95% CI)", f"{fmt(d['mean'])} ({fmt(d['ci95_low'])}-{fmt(d['ci95_high'])})"),
+        ("decode tok/s token-weighted", fmt(s["token_weighted"]["decode_tok_s"])),
+        ("TTFT median s", fmt(s["ttft_s"]["median"], 3)), ("TPOT median ms", fmt(s["tpot_ms"]["median"])),
+        ("tokens/chunk median", fmt(s["tokens_per_chunk"]["median"])),
+        ("acceptance rate", fmt(sp["acceptance_rate"], 3)),
+        ("mean acceptance length", fmt(sp["mean_acceptance_length"], 3)),
+        ("per-position acceptance", "/".join(fmt(x, 3) for x in sp["per_position"] or []) or "-"),
+        ("effective tokens/step", fmt(sp["effective_tokens_per_step"], 3)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}", file=out)
+
+
+def _read_meta(arg: str | None) -> dict[str, Any]:
+    if not arg:
+        return {}
+    text = arg
+    if not arg.lstrip().startswith("{"):
+        p = Path(arg)
+        if not p.is_file():
+            raise UsageError(f"--meta-json: {arg} is neither a JSON object nor a file")
+        text = p.read_text(encoding="utf-8")
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--meta-json: invalid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise UsageError("--meta-json must be a JSON object")
+    return obj
+
+
+def check_base_url(url: str) -> str:
+    """The URL without a trailing slash; UsageError unless it is http(s)://HOST[:PORT][/PATH]."""
+    fix = "pass --base-url like http://127.0.0.1:8000"
+    u = urllib.parse.urlsplit(url.strip())
+    if u.scheme not in ("http", "https"):
+        raise UsageError(f"--base-url {url!r}: scheme must be http or https; {fix}")
+    if not u.hostname:
+        raise UsageError(f"--base-url {url!r}: no host; {fix}")
+    try:
+        port = u.port
+    except ValueError:
+        raise UsageError(f"--base-url {url!r}: the port is not a number in 1..65535; {fix}") from None
+    if port == 0:
+        raise UsageError(f"--base-url {url!r}: port 0 is not a server port; {fix}")
+    if u.query or u.fragment or u.username or u.password:
+        raise UsageError(f"--base-url {url!r}: no query, fragment or credentials (use --api-key-file); {fix}")
+    return url.strip().rstrip("/")
+
+
+def check_reachable(ep: Endpoint, timeout: float = 10.0) -> None:
+    """WorkFailed unless a server answers GET /v1/models at the base URL."""
+    try:
+        status, _ = ep.get("/v1/models", timeout=timeout)
+    except (OSError, http.client.HTTPException) as exc:
+        raise WorkFailed(f"nothing answers at {ep.base_url} ({exc}); start the server (make deploy, "
+                         "ansible-playbook site.yml --tags serve) or fix --base-url") from None
+    if status in (401, 403):
+        raise WorkFailed(f"{ep.base_url} refused the request (HTTP {status}): pass --api-key-file with "
+                         "the server's API key")
+    if status >= 400:
+        raise WorkFailed(f"{ep.base_url}/v1/models answered HTTP {status}: is this an OpenAI-compatible "
+                         "server (vLLM)? fix --base-url")
+
+
+def read_api_key(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise UsageError(f"--api-key-file {path}: cannot read it ({exc.strerror}); pass a readable file "
+                         "holding the API key") from None
+    if not key:
+        raise UsageError(f"--api-key-file {path}: the file is empty; put the API key in it")
+    return key
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    if a.concurrency < 1 or a.repeats < 1 or a.warmup < 0 or a.max_tokens < 2:
+        raise UsageError("need --concurrency >= 1, --repeats >= 1, --warmup >= 0, --max-tokens >= 2")
+    base_url = check_base_url(a.base_url)
+    api_key = read_api_key(a.api_key_file)
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory; pass a results directory")
+    load_prompts(Path(a.prompts), a.category)  # bad or missing prompts: a usage error, before any request
+    meta = _read_meta(a.meta_json)
+    check_reachable(Endpoint(base_url, api_key))
+    opts = RunOptions(base_url=base_url, model=a.model, label=a.label, out=out,
+                      prompts=Path(a.prompts), category=a.category, repeats=a.repeats, warmup=a.warmup,
+                      concurrency=a.concurrency, api_key=api_key, meta=meta,
+                      sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking),
+                      progress=not a.quiet)
+    doc = execute_run(opts)
+    path = opts.out / f"{doc['run_id']}.json"
+    atomic_write_json(path, doc)
+    conn = open_store(opts.out)
+    try:
+        store_run(conn, doc)
+    finally:
+        conn.close()
+    print_summary(doc)
+    print(f"wrote {path}")
+    if not doc["valid"]:
+        print(f"bench.py run: error: run {doc['run_id']} is invalid: {'; '.join(doc['problems'])} "
+              "(written and stored, marked invalid)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_lookup(a: argparse.Namespace) -> int:
+    run_id = find_run(Path(a.store), a.config_hash, a.repetition)
+    if run_id is None:
+        return 1
+    print(run_id)
+    return 0
+
+
+def cmd_import(a: argparse.Namespace) -> int:
+    paths = [Path(p) for p in a.paths]
+    store = Path(a.store) if a.store else (paths[0] if paths[0].is_dir() else paths[0].parent)
+    added, skipped = import_runs(paths, store)
+    print(f"imported {added} run(s), {skipped} already present, store {store / STORE_NAME}")
+    return 0
+
+
+def cmd_fetch_prompts(a: argparse.Namespace) -> int:
+    if a.source != "specbench":
+        raise UsageError(f"unknown prompt source {a.source!r}: only 'specbench'")
+    if Path(a.dest).is_dir():
+        raise UsageError(f"--dest {a.dest}: is a directory; name the JSONL file to write")
+    try:
+        manifest = json.loads(Path(a.manifest).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"--manifest {a.manifest}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise UsageError(f"--manifest {a.manifest}: invalid JSON ({exc})") from None
+    n = fetch_prompts(manifest, Path(a.dest), a.url, a.sha256, a.allow_unpinned)
+    print(f"wrote {n} prompts to {a.dest}")
+    return 0
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    store = Path(a.dir)
+    if not store.is_dir():
+        raise UsageError(f"{store}: not a directory; pass the results store directory "
+                         f"(it holds {STORE_NAME})")
+    from sparkllm.bench_report import make_report  # controller only: the run side never imports it
+
+    path, stats = make_report(store, Path(a.out) if a.out else None, a.baseline, not a.no_charts)
+    print(f"wrote {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
+                                epilog=__doc__[__doc__.index("Exit codes:"):].split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def parser(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+
+    r = parser("run", "benchmark a running server (stdlib only)")
+    r.add_argument("--base-url", required=True, help="server URL, http(s)://HOST[:PORT], e.g. http://127.0.0.1:8000")
+    r.add_argument("--model", required=True, help="served model name")
+    r.add_argument("--label", required=True, help="method/config label, e.g. mtp-k2")
+    r.add_argument("--out", required=True, help="results directory (run JSON + results.sqlite)")
+    r.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt set")
+    r.add_argument("--category", default=None, help="only these categories, comma separated (default: all)")
+    r.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
+    r.add_argument("--warmup", type=int, default=2, help="warm-up requests, not measured")
+    r.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request")
+    r.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    r.add_argument("--seed", type=int, default=0, help="sampling seed")
+    r.add_argument("--api-key-file", default=None,
+                   help="file holding the server's API key (default: none, no Authorization header)")
+    r.add_argument("--meta-json", default=None,
+                   help="JSON object or file with serve args, spec config, ... (default: none)")
+    r.add_argument("--thinking", choices=("on", "off"), default="off", help="the model's thinking mode")
+    r.add_argument("--quiet", action="store_true",
+                   help="no progress line (the summary, the written path and, for a failed run, the one "
+                        "line saying why are still printed)")
+    r.set_defaults(func=cmd_run)
+    i = parser("import", "merge run JSON files into a store directory (idempotent)")
+    i.add_argument("paths", nargs="+", help="run JSON files or directories holding them")
+    i.add_argument("--store", default=None, help="store directory (default: the first directory given)")
+    i.set_defaults(func=cmd_import)
+    lk = parser("lookup", "print the valid run stored for a configuration hash + repetition "
+                "(exit 1 when there is none)")
+    lk.add_argument("--store", required=True, help="store directory")
+    lk.add_argument("--config-hash", required=True, help="configuration hash")
+    lk.add_argument("--repetition", type=int, required=True, help="repetition index")
+    lk.set_defaults(func=cmd_lookup)
+    rep = parser("report", "Markdown report + PNG charts (charts need matplotlib) from a store")
+    rep.add_argument("dir", help="results store directory")
+    rep.add_argument("--out", default=None, help=f"report directory (default: DIR/{REPORT_DIRNAME})")
+    rep.add_argument("--baseline", default="baseline", help="label of the baseline method")
+    rep.add_argument("--no-charts", action="store_true", help="Markdown only")
+    rep.set_defaults(func=cmd_report)
+    f = parser("fetch-prompts", "download + verify + convert an external prompt set")
+    f.add_argument("--source", required=True, choices=("specbench",), help="prompt source")
+    f.add_argument("--dest", required=True, help="converted JSONL file to write")
+    f.add_argument("--manifest", default=str(SPECBENCH_MANIFEST), help="pinned source manifest")
+    f.add_argument("--url", default=None,
+                   help="override the download URL (mirror, file://; default: the manifest's pinned URL)")
+    f.add_argument("--sha256", default=None, help="override the pinned sha256 (default: the manifest's)")
+    f.add_argument("--allow-unpinned", action="store_true", help="accept a source without a pinned sha256")
+    f.set_defaults(func=cmd_fetch_prompts)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    where = f"bench.py {a.cmd}"
+    try:
+        return int(a.func(a))
+    except UsageError as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 2
+    except WorkFailed as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 1
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # raised with a message deeper down: a failure of the work
+            print(f"{where}: error: {exc.code}", file=sys.stderr)
+            return 1
+        raise
+    except (OSError, sqlite3.Error) as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,388 @@
+"""bench: the Markdown report and PNG charts from a results store (controller only;
+matplotlib imported lazily, so a Python without it still writes the Markdown)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sparkllm.bench_common import REPORT_DIRNAME, UsageError, fmt, utc_now
+from sparkllm.bench_stats import describe, t975
+from sparkllm.bench_store import STORE_NAME, import_runs, open_store
+
+REPORT_TOOL = "bench.py report"
+CHART_FILES = ("decode_tok_s.png", "acceptance_by_position.png", "speedup_by_category.png")
+NO_MATPLOTLIB = ("Charts need matplotlib, which this Python lacks: run `bench.py report` with the toolkit's "
+                 "venv (`make setup`, then `.venv/bin/python scripts/bench.py report DIR`).")
+
+
+
+
+@dataclass
+class RunRow:
+    run_id: str
+    label: str
+    valid: bool
+    problems: list[str]
+    repetition: int | None
+    started: str | None
+    median: float | None
+    doc: dict[str, Any]
+    decode: list[float]
+    by_cat: dict[str, list[float]]
+
+    @property
+    def config_hash(self) -> str | None:
+        h = self.doc.get("meta", {}).get("config_hash")
+        return str(h) if h else None
+
+    @property
+    def context(self) -> str:
+        """What a comparison must hold equal: load, token budget, sampling, model, prompts, topology."""
+        m = self.doc.get("meta", {})
+        s = m.get("sampling") or {}
+        p = m.get("prompts") or {}
+        ctx = {"concurrency": m.get("concurrency"), "max_tokens": s.get("max_tokens"),
+               "temperature": s.get("temperature"), "thinking": s.get("thinking"), "model": m.get("model"),
+               "prompts": p.get("sha256"), "categories": p.get("category_filter"),
+               "topology": m.get("topology")}
+        return json.dumps(ctx, sort_keys=True, default=str)
+
+    @property
+    def group_key(self) -> tuple[str, str | None, str, str | None]:
+        """Runs pooled as one row: same label, configuration hash, context and server image."""
+        image = self.doc.get("meta", {}).get("image")
+        return self.label, self.config_hash, self.context, str(image) if image else None
+
+
+def load_runs(store_dir: Path) -> list[RunRow]:
+    if not (store_dir / STORE_NAME).exists():
+        if any(store_dir.glob("*.json")):
+            import_runs([store_dir], store_dir)
+        else:
+            raise SystemExit(f"no results store in {store_dir}: run `bench.py run --out {store_dir}` first")
+    conn = open_store(store_dir)
+    try:
+        rows = conn.execute("SELECT run_id, label, valid, problems, repetition, started_utc, "
+                            "decode_tok_s_median, doc FROM runs ORDER BY started_utc, run_id").fetchall()
+        reqs = conn.execute("SELECT run_id, category, decode_tok_s FROM requests WHERE ok = 1 "
+                            "AND decode_tok_s IS NOT NULL").fetchall()
+    finally:
+        conn.close()
+    dec: dict[str, list[float]] = {}
+    cats: dict[str, dict[str, list[float]]] = {}
+    for r in reqs:
+        dec.setdefault(r["run_id"], []).append(r["decode_tok_s"])
+        cats.setdefault(r["run_id"], {}).setdefault(r["category"], []).append(r["decode_tok_s"])
+    return [RunRow(r["run_id"], r["label"], bool(r["valid"]), json.loads(r["problems"]), r["repetition"],
+                   r["started_utc"], r["decode_tok_s_median"], json.loads(r["doc"]), dec.get(r["run_id"], []),
+                   cats.get(r["run_id"], {})) for r in rows]
+
+
+def _ts(s: str | None) -> float:
+    if not s:
+        return 0.0
+    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+
+
+def pair_runs(method: list[RunRow], base: list[RunRow]) -> list[tuple[RunRow, RunRow]]:
+    """Pair each method run with a baseline run: same repetition index when both have one, else
+    the baseline run with the closest start timestamp (each baseline run used at most once per
+    method while unused ones remain)."""
+    pairs: list[tuple[RunRow, RunRow]] = []
+    by_rep = {b.repetition: b for b in base if b.repetition is not None}
+    unused = list(base)
+    for m in method:
+        b = by_rep.get(m.repetition) if m.repetition is not None else None
+        if b is None:
+            pool = unused or base
+            if not pool:
+                continue
+            b = min(pool, key=lambda x: abs(_ts(x.started) - _ts(m.started)))
+        if b in unused:
+            unused.remove(b)
+        pairs.append((m, b))
+    return pairs
+
+
+def geo_speedup(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """Geometric mean of paired ratios with a 95 % t-interval on the log scale."""
+    logs = [math.log(m / b) for m, b in pairs if m and b and m > 0 and b > 0]
+    if not logs:
+        return {"gmean": None, "ci95_low": None, "ci95_high": None, "pairs": 0}
+    mu = statistics.fmean(logs)
+    if len(logs) < 2:
+        return {"gmean": math.exp(mu), "ci95_low": None, "ci95_high": None, "pairs": 1}
+    half = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"gmean": math.exp(mu), "ci95_low": math.exp(mu - half), "ci95_high": math.exp(mu + half),
+            "pairs": len(logs)}
+
+
+@dataclass
+class MethodStats:
+    label: str  # the row's name: the run label, with the configuration hash when the label is ambiguous
+    runs: list[RunRow]
+    decode: dict[str, Any]
+    run_medians: dict[str, Any]
+    speedup: dict[str, Any]
+    ttft_median: float | None
+    acc_len: float | None
+    per_position: list[float] | None
+    by_cat: dict[str, float | None]
+    base_label: str = ""  # the run label itself
+    config_hash: str | None = None
+    context: str = ""
+    baseline_row: str | None = None  # name of the row this one was paired with
+
+
+def _mean_opt(xs: Iterable[float | None]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return statistics.fmean(v) if v else None
+
+
+def _mean_positions(lists: list[list[float] | None]) -> list[float] | None:
+    good = [x for x in lists if x]
+    if not good:
+        return None
+    n = max(len(x) for x in good)
+    return [statistics.fmean([x[i] for x in good if len(x) > i]) for i in range(n)]
+
+
+def _row_names(keys: list[tuple[str, str | None, str, str | None]]) -> dict[tuple, str]:
+    """The label alone when it names one group; else the label with what tells its groups apart."""
+    by_label: dict[str, list[tuple]] = {}
+    for k in keys:
+        by_label.setdefault(k[0], []).append(k)
+    names: dict[tuple, str] = {}
+    for label, ks in by_label.items():
+        if len(ks) == 1:
+            names[ks[0]] = label
+            continue
+        for n, k in enumerate(ks, 1):
+            names[k] = f"{label} [{k[1][:12]}]" if k[1] and sum(x[1] == k[1] for x in ks) == 1 else (
+                f"{label} [config {n}]")
+    return names
+
+
+def method_table(runs: list[RunRow], baseline: str) -> list[MethodStats]:
+    """One row per (label, configuration hash, context, image): runs measured under a different load,
+    token budget, model or image are never pooled, and a row is compared only with a baseline row
+    measured in the same context."""
+    valid = [r for r in runs if r.valid]
+    groups: dict[tuple, list[RunRow]] = {}
+    for r in valid:
+        groups.setdefault(r.group_key, []).append(r)
+    names = _row_names(list(groups))
+    base_groups = {k: rs for k, rs in groups.items() if k[0] == baseline}
+    out = []
+    for key, rs in groups.items():
+        same_ctx = [k for k in base_groups if k[2] == key[2]]
+        bkey = key if key[0] == baseline else (
+            max(same_ctx, key=lambda k: len(base_groups[k])) if same_ctx else None)
+        base = base_groups[bkey] if bkey is not None else []
+        pairs = [(m.median, b.median) for m, b in pair_runs(rs, base)] if base and bkey != key else []
+        cats: dict[str, list[float]] = {}
+        for r in rs:
+            for c, xs in r.by_cat.items():
+                cats.setdefault(c, []).extend(xs)
+        out.append(MethodStats(
+            label=names[key], runs=rs, decode=describe(x for r in rs for x in r.decode),
+            run_medians=describe(r.median for r in rs), speedup=geo_speedup(pairs),
+            ttft_median=_mean_opt(r.doc["summary"]["ttft_s"]["median"] for r in rs),
+            acc_len=_mean_opt(r.doc["spec"].get("mean_acceptance_length") for r in rs),
+            per_position=_mean_positions([r.doc["spec"].get("per_position") for r in rs]),
+            by_cat={c: statistics.median(xs) if xs else None for c, xs in cats.items()},
+            base_label=key[0], config_hash=key[1], context=key[2],
+            baseline_row=names[bkey] if bkey is not None else None))
+    out.sort(key=lambda m: (m.base_label != baseline, -(m.decode["median"] or 0)))
+    return out
+
+
+def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: str, charts: list[str],
+                    notes: Sequence[str] = ()) -> str:
+    lines = ["# Speculative decoding benchmark report", "",
+             f"Generated {utc_now()}. Decode tok/s is per request, (n-1)/decode time, pooled over the valid "
+             "runs of each method. Speedup = geometric mean of paired run-median ratios vs "
+             f"`{baseline}` (pairs by repetition index, else closest start time) with a 95 % t-interval. "
+             "\"Peak\" is only the labelled p95/max of per-request decode tok/s.", "",
+             "## Method comparison", "",
+             "| method | runs | requests | decode tok/s median | p5-p95 | mean (95% CI of run medians) | CV "
+             "| peak (p95 / max) | speedup vs baseline [95% CI] | TTFT median s | mean acceptance length "
+             "| per-position acceptance |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in stats:
+        d, rm, sp = m.decode, m.run_medians, m.speedup
+        speed = "1 (reference)" if m.base_label == baseline else (
+            "- (no baseline run in the same context)" if m.baseline_row is None else "-"
+        ) if sp["gmean"] is None else (
+            f"{sp['gmean']:.3f}x"
+            + (f" [{sp['ci95_low']:.3f}-{sp['ci95_high']:.3f}]" if sp["ci95_low"] else "")
+            + f" (n={sp['pairs']})")
+        ci = fmt(rm["mean"]) + (f" ({fmt(rm['ci95_low'])}-{fmt(rm['ci95_high'])})"
+                                 if rm["ci95_low"] is not None else " (1 run: no interval)")
+        pp = "/".join(f"{x:.2f}" for x in m.per_position) if m.per_position else "-"
+        lines.append(f"| {m.label} | {len(m.runs)} | {d['n']} | {fmt(d['median'])} | {fmt(d['p5'])}-"
+                     f"{fmt(d['p95'])} | {ci} | {fmt(rm['cv'], 3)} | {fmt(d['p95'])} / {fmt(d['max'])} "
+                     f"| {speed} | {fmt(m.ttft_median, 3)} | {fmt(m.acc_len)} | {pp} |")
+    cats = sorted({c for m in stats for c in m.by_cat})
+    rows = {m.label: m for m in stats}
+    if cats:
+        lines += ["", "## Per category (median decode tok/s; ratio = category median / baseline category "
+                  "median)", "", "| category | " + " | ".join(m.label for m in stats) + " |",
+                  "|---|" + "---|" * len(stats)]
+        for c in cats:
+            cells = []
+            for m in stats:
+                v = m.by_cat.get(c)
+                base = rows.get(m.baseline_row) if m.baseline_row else None
+                b = base.by_cat.get(c) if base else None
+                ratio = f" ({v / b:.2f}x)" if v and b and m is not base else ""
+                cells.append(f"{fmt(v)}{ratio}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if len({m.context for m in stats}) > 1 or len(rows) != len({m.base_label for m in stats}):
+        lines += ["", "## Configurations (rows are never pooled across these; speedups compare a row with "
+                  "the baseline row of the same context)", "",
+                  "| row | configuration hash | compared with | context |", "|---|---|---|---|"]
+        lines += [f"| {m.label} | {m.config_hash or '-'} | {m.baseline_row or '-'} | `{m.context}` |"
+                  for m in stats]
+    lines += ["", "## Invalid runs (excluded from the comparison)", ""]
+    if invalid:
+        lines += ["| run | label | problems |", "|---|---|---|"]
+        lines += [f"| {r.run_id} | {r.label} | {'; '.join(r.problems)} |" for r in invalid]
+    else:
+        lines.append("None.")
+    if charts:
+        lines += ["", "## Charts", ""] + [f"![{c}]({c})" for c in charts]
+    if notes:
+        lines += [""] + list(notes)
+    return "\n".join(lines) + "\n"
+
+
+def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[str]:
+    import matplotlib  # controller only
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names: list[str] = []
+    labels = [m.label for m in stats]
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(stats)), 4))
+    data = [[x for r in m.runs for x in r.decode] or [0.0] for m in stats]
+    ax.boxplot(data, whis=(5, 95), showmeans=True)
+    ax.set_xticks(range(1, len(labels) + 1), labels)
+    ax.set_ylabel("decode tok/s per request (whiskers p5-p95)")
+    ax.set_title("Decode speed distribution per method")
+    fig.tight_layout()
+    fig.savefig(out / "decode_tok_s.png", dpi=100)
+    plt.close(fig)
+    names.append("decode_tok_s.png")
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for m in stats:
+        if m.per_position:
+            ax.plot(range(1, len(m.per_position) + 1), m.per_position, marker="o", label=m.label)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance p_i = A_i / N")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by position")
+    if any(m.per_position for m in stats):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=100)
+    plt.close(fig)
+    names.append("acceptance_by_position.png")
+    rows = {m.label: m for m in stats}
+    cats = sorted({c for m in stats for c in m.by_cat})
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(cats) + 2), 4))
+    others = [m for m in stats if m.base_label != baseline]
+    width = 0.8 / max(1, len(others))
+    for j, m in enumerate(others):
+        base = rows.get(m.baseline_row) if m.baseline_row else None
+        ys = [(m.by_cat.get(c) or 0) / b if base and (b := base.by_cat.get(c)) else 0 for c in cats]
+        ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m.label)
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel(f"speedup vs {baseline} (category medians)")
+    ax.set_title("Speedup per category")
+    if others:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup_by_category.png", dpi=100)
+    plt.close(fig)
+    names.append("speedup_by_category.png")
+    return names
+
+
+def check_report_dir(out: Path, store_dir: Path) -> None:
+    """UsageError unless ``out`` may hold the report: new, empty, or an earlier report.
+
+    The report may live inside the store (the default, DIR/report) but never be the store itself or
+    hold it. A directory holding only report files is an earlier report (written before reports were
+    marked) and counts as ours.
+    """
+    from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool
+
+    out_r, store_r = Path(os.path.realpath(out)), Path(os.path.realpath(store_dir))
+    if out_r == store_r or out_r in store_r.parents:
+        raise UsageError(f"--out {out}: {'is' if out_r == store_r else 'holds'} the results store "
+                         f"{store_dir}; write the report to its own directory, "
+                         f"e.g. {store_dir / REPORT_DIRNAME}")
+    if out.is_dir() and marker_tool(out) is None:
+        names = {e.name for e in out.iterdir()}
+        if names and names <= {"report.md", *CHART_FILES}:
+            return  # an earlier, unmarked report of ours
+    try:
+        check_output_dir(out, REPORT_TOOL, flag="--out")
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _charts_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401  (controller only)
+    except ImportError:
+        return False
+    return True
+
+
+def make_report(store_dir: Path, out_dir: Path | None = None, baseline: str = "baseline",
+                charts: bool = True) -> tuple[Path, list[MethodStats]]:
+    """Write OUT/report.md (+ charts) into a temporary directory and swap it into place."""
+    from sparkllm.outdir import write_marker
+
+    out = out_dir or store_dir / REPORT_DIRNAME
+    check_report_dir(out, store_dir)
+    runs = load_runs(store_dir)
+    stats = method_table(runs, baseline)
+    invalid = [r for r in runs if not r.valid]
+    notes: list[str] = []
+    if charts and stats and not _charts_available():
+        charts = False
+        notes.append(NO_MATPLOTLIB)
+        print(NO_MATPLOTLIB, file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_marker(tmp, REPORT_TOOL)
+        names = render_charts(stats, baseline, tmp) if charts and stats else []
+        md = render_markdown(stats, invalid, baseline, names, notes)
+        (tmp / "report.md").write_text(md, encoding="utf-8")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out / "report.md", stats

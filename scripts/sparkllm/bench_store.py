@@ -1,0 +1,161 @@
+"""bench: the SQLite results store and the import of run JSON files (standard library only).
+
+Results store (SQLite, ``DIR/results.sqlite``), schema version 1 (``PRAGMA user_version`` and
+table ``schema``; see docs/results-store.md)::
+
+    schema(version INTEGER PRIMARY KEY, applied_utc TEXT, description TEXT)
+    runs(run_id TEXT PRIMARY KEY, label TEXT, method TEXT, config_hash TEXT, repetition INTEGER,
+         valid INTEGER, problems TEXT /* JSON list */, started_utc TEXT, finished_utc TEXT,
+         concurrency INTEGER, requests INTEGER, errors INTEGER, output_tokens INTEGER,
+         decode_tok_s_median REAL, decode_tok_s_p5 REAL, decode_tok_s_p95 REAL,
+         decode_tok_s_mean REAL, ttft_s_median REAL, tpot_ms_median REAL,
+         tokens_per_chunk_median REAL, acceptance_rate REAL, mean_acceptance_length REAL,
+         effective_tokens_per_step REAL, doc TEXT /* the full run JSON */)
+    requests(run_id TEXT REFERENCES runs(run_id), idx INTEGER, prompt_id TEXT, category TEXT,
+             repeat INTEGER, ok INTEGER, error TEXT, output_tokens INTEGER, chunks INTEGER,
+             ttft_s REAL, decode_s REAL, e2e_s REAL, decode_tok_s REAL, tpot_ms REAL,
+             tokens_per_chunk REAL, PRIMARY KEY (run_id, idx))
+
+``migrate()`` applies the entries of ``MIGRATIONS`` above the store's version (docs/results-store.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sparkllm.bench_common import UsageError, utc_now
+from sparkllm.fileio import write_bytes_atomic
+
+STORE_NAME = "results.sqlite"
+SCHEMA_VERSION = 1
+
+
+
+
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (1, "initial schema: runs + requests", """
+CREATE TABLE IF NOT EXISTS schema (version INTEGER PRIMARY KEY, applied_utc TEXT NOT NULL,
+                                   description TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, label TEXT NOT NULL, method TEXT, config_hash TEXT, repetition INTEGER,
+    valid INTEGER NOT NULL, problems TEXT NOT NULL, started_utc TEXT, finished_utc TEXT,
+    concurrency INTEGER, requests INTEGER, errors INTEGER, output_tokens INTEGER,
+    decode_tok_s_median REAL, decode_tok_s_p5 REAL, decode_tok_s_p95 REAL, decode_tok_s_mean REAL,
+    ttft_s_median REAL, tpot_ms_median REAL, tokens_per_chunk_median REAL, acceptance_rate REAL,
+    mean_acceptance_length REAL, effective_tokens_per_step REAL, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS runs_cell ON runs (config_hash, repetition);
+CREATE TABLE IF NOT EXISTS requests (
+    run_id TEXT NOT NULL REFERENCES runs(run_id), idx INTEGER NOT NULL, prompt_id TEXT, category TEXT,
+    repeat INTEGER, ok INTEGER, error TEXT, output_tokens INTEGER, chunks INTEGER, ttft_s REAL,
+    decode_s REAL, e2e_s REAL, decode_tok_s REAL, tpot_ms REAL, tokens_per_chunk REAL,
+    PRIMARY KEY (run_id, idx));
+"""),
+]
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Bring the store to SCHEMA_VERSION; refuse a newer store than this code understands."""
+    current = conn.execute("PRAGMA user_version").fetchone()[0]
+    if current > SCHEMA_VERSION:
+        raise SystemExit(f"results store schema v{current} is newer than this bench.py (v{SCHEMA_VERSION}): "
+                         "update the toolkit")
+    for version, desc, sql in MIGRATIONS:
+        if version <= current:
+            continue
+        with conn:
+            conn.executescript(sql)
+            conn.execute("INSERT OR REPLACE INTO schema VALUES (?, ?, ?)", (version, utc_now(), desc))
+            conn.execute(f"PRAGMA user_version = {int(version)}")
+        current = version
+    return current
+
+
+def open_store(directory: Path) -> sqlite3.Connection:
+    directory.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(directory / STORE_NAME, timeout=30)
+    conn.row_factory = sqlite3.Row
+    migrate(conn)
+    return conn
+
+
+def store_run(conn: sqlite3.Connection, doc: dict[str, Any]) -> bool:
+    """Insert one run document; returns False if that run id is already stored (idempotent)."""
+    s, sp, meta = doc.get("summary", {}), doc.get("spec", {}), doc.get("meta", {})
+    dec = s.get("decode_tok_s", {})
+    rep = meta.get("repetition")
+    row = (doc["run_id"], doc["label"], meta.get("method"), meta.get("config_hash"),
+           int(rep) if rep is not None else None, int(bool(doc["valid"])), json.dumps(doc["problems"]),
+           meta.get("started_utc"), meta.get("finished_utc"), meta.get("concurrency"), s.get("requests"),
+           s.get("errors"), s.get("output_tokens"), dec.get("median"), dec.get("p5"), dec.get("p95"),
+           dec.get("mean"), s.get("ttft_s", {}).get("median"), s.get("tpot_ms", {}).get("median"),
+           s.get("tokens_per_chunk", {}).get("median"), sp.get("acceptance_rate"),
+           sp.get("mean_acceptance_length"), sp.get("effective_tokens_per_step"), json.dumps(doc))
+    with conn:
+        cur = conn.execute(f"INSERT OR IGNORE INTO runs VALUES ({','.join('?' * len(row))})", row)
+        if cur.rowcount == 0:
+            return False
+        conn.executemany(
+            "INSERT OR IGNORE INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            [(doc["run_id"], r["idx"], r["prompt_id"], r["category"], r["repeat"], int(bool(r["ok"])),
+              r["error"], r["output_tokens"], r["chunks"], r["ttft_s"], r["decode_s"], r["e2e_s"],
+              r["decode_tok_s"], r["tpot_ms"], r["tokens_per_chunk"]) for r in doc.get("requests", [])])
+    return True
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(path, json.dumps(obj, indent=1, sort_keys=False).encode("utf-8"))
+
+
+def is_run_doc(obj: Any) -> bool:
+    return isinstance(obj, dict) and {"run_id", "label", "valid", "problems", "summary"} <= obj.keys()
+
+
+def import_runs(paths: Sequence[Path], store_dir: Path) -> tuple[int, int]:
+    """Copy run JSON files into store_dir and insert them into its SQLite; (added, skipped)."""
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            files.extend(sorted(p.glob("*.json")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise UsageError(f"{p} does not exist; pass run JSON files or directories holding them")
+    conn = open_store(store_dir)
+    added = skipped = 0
+    try:
+        for f in files:
+            try:
+                doc = json.loads(f.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                raise SystemExit(f"import: {f} is not valid JSON ({exc})") from exc
+            if not is_run_doc(doc):
+                continue
+            target = store_dir / f"{doc['run_id']}.json"
+            if not target.exists():
+                atomic_write_json(target, doc)
+            if store_run(conn, doc):
+                added += 1
+            else:
+                skipped += 1
+    finally:
+        conn.close()
+    return added, skipped
+
+
+def find_run(store_dir: Path, config_hash: str, repetition: int) -> str | None:
+    """Run id of a valid stored run measured with this configuration hash and repetition, if any."""
+    db = store_dir / STORE_NAME
+    if not db.is_file():
+        return None
+    conn = open_store(store_dir)
+    try:
+        row = conn.execute("SELECT run_id FROM runs WHERE valid = 1 AND config_hash = ? AND repetition = ? "
+                           "ORDER BY started_utc LIMIT 1", (config_hash, repetition)).fetchone()
+    finally:
+        conn.close()
+    return row["run_id"] if row else None
