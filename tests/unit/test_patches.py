@@ -162,7 +162,8 @@ def test_lm_head_patch_adds_our_module_and_the_hook(version):
     header = text.split("diff --git", 1)[0]
     assert "Subject:" in header and "SPARKLLM_LM_HEAD_INT8" in header
     # the module in the patch is patches/src's file, byte for byte (edit that one, regenerate)
-    assert added_file(text, "b/vllm/model_executor/layers/sparkllm_lm_head_int8.py") == LM_HEAD_SOURCE.read_text()
+    module = added_file(text, "b/vllm/model_executor/layers/sparkllm_lm_head_int8.py")
+    assert module == LM_HEAD_SOURCE.read_text()
     hook = text.split("+++ b/vllm/model_executor/model_loader/utils.py", 1)[1]
     added = [ln[1:] for ln in hook.splitlines() if ln.startswith("+")]
     assert "    if sparkllm_lm_head_int8.enabled():" in added
