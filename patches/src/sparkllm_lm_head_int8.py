@@ -69,6 +69,8 @@ def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     for start in range(0, rows, _CHUNK_ROWS):
         w = weight[start : start + _CHUNK_ROWS].float()
         amax = w.abs().amax(dim=1)
+        if not bool(torch.isfinite(amax).all()):
+            raise ValueError(f"non-finite weights in rows {start}..{start + len(amax) - 1}")
         s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
         qc = torch.round(w / s[:, None]).clamp_(-127, 127)
         max_err = torch.maximum(max_err, (w - qc * s[:, None]).abs().max())
@@ -87,7 +89,8 @@ def _build_triton_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # M (tokens) varies every step: not specialized, so one compiled variant per tile choice
+    @triton.jit(do_not_specialize=["M"])
     def int8_logits_kernel(
         x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -287,8 +290,6 @@ def quantize_lm_heads(model: torch.nn.Module) -> int:
             why = f"its weight is {weight.dtype}"
         elif uses.get(_storage_key(weight), 0) > 1:
             why = "its weight is shared with another module (tied embedding): left unquantized"
-        elif not bool(torch.isfinite(weight).all()):
-            why = "its weight has non-finite values"
         if why is not None:
             logger.info("sparkllm: lm_head INT8 skipped for %s (%s): %s", model_name, name, why)
             continue
@@ -299,7 +300,7 @@ def quantize_lm_heads(model: torch.nn.Module) -> int:
             continue
         try:
             _quantize_head(model_name, name, head, kernel)
-        except Exception as e:  # the kernel failed or disagreed: stay on the original path
+        except Exception as e:  # non-finite weights, kernel failed or disagreed: keep the original
             logger.warning("sparkllm: lm_head INT8 unavailable for %s (%s): %s: %s; keeping %s",
                            model_name, name, type(e).__name__, e, weight.dtype)
             continue

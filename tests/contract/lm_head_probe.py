@@ -162,6 +162,18 @@ def probe(torch, loader_utils) -> dict[str, object]:
         "logits_exact": bool(torch.equal(tied_logits, torch.nn.functional.linear(hidden, w_embed))),
     }
 
+    # --- a head the patch must refuse (non-finite weight): stays as loaded, still usable ---------
+    bad = CausalLM()
+    w_bad = w_head.clone()
+    w_bad[5, 7] = float("nan")
+    load(bad, "model.embed_tokens.weight", w_embed)
+    load(bad, "lm_head.weight", w_bad)
+    process(bad)
+    out["non_finite"] = {"head_dtype": str(bad.lm_head.weight.dtype),
+                         "method": type(bad.lm_head.quant_method).__name__,
+                         "weight_unchanged": bool(torch.equal(bad.lm_head.weight[:VOCAB].view(torch.int16),
+                                                              w_bad.view(torch.int16)))}
+
     # --- drafters sharing the target's head through vLLM's own proposer code ------------------
     from vllm.v1.spec_decode.eagle import EagleProposer
 

@@ -193,7 +193,8 @@ def test_enabled_head_is_int8_and_bf16_weight_is_gone(probes, config, kernel):
     assert head["bytes_before"] == 1024 * 384 * 2
     assert head["bytes_after"] == 1024 * 384 + 1024 * 4
     logs = LOG_RE.findall(probes[config]["log"])
-    # target, MTP drafter and EAGLE drafter each load and quantize their own copy; the tied head is left
+    # target, MTP drafter and EAGLE drafter each load and quantize their own copy; the tied head and
+    # the one with a NaN weight are left
     assert len(logs) == 3 and {k for k, _, _ in logs} == {kernel}, probes[config]["log"][-3000:]
 
 
@@ -228,6 +229,16 @@ def test_drafters_share_the_int8_head(probes, config):
         d = probes[config]["drafters"][kind]
         assert d == {"own_head_dtype_before_share": "torch.int8", "shares_target_head": True,
                      "logits_equal_target": True}, (kind, d)
+
+
+@pytest.mark.parametrize("config", ["int8_torch", "int8_triton"])
+def test_a_head_it_cannot_quantize_stays_as_loaded(probes, config):
+    """Fallback: non-finite weights -> a warning naming the reason, the BF16 head untouched."""
+    assert probes[config]["non_finite"] == {"head_dtype": "torch.bfloat16",
+                                            "method": "UnquantizedEmbeddingMethod",
+                                            "weight_unchanged": True}
+    assert re.search(r"sparkllm: lm_head INT8 unavailable for CausalLM \(lm_head\): ValueError: "
+                     r"non-finite weights in rows 0\.\.1023; keeping torch\.bfloat16", probes[config]["log"])
 
 
 def test_triton_kernel_agrees_with_the_cpu_kernel(probes):
