@@ -85,3 +85,11 @@ def test_each_failure_is_caught(case):
         mtp_log = good
     out = run_check(int8_log, mtp_log, probe, counters)
     assert not all(out["checks"].values()), (case, out)
+
+
+def test_a_drafter_copy_falling_back_is_reported_not_failed():
+    v = tiny_pair.vocab_size()
+    warning = ("WARNING sparkllm: lm_head INT8 unavailable for Qwen3_5MoeMTP (lm_head): ValueError: "
+               "non-finite weights in rows 0..383; keeping torch.bfloat16")
+    text = load_line("Qwen3_5MoeForConditionalGeneration", v) + "\n" + warning
+    assert all(run_check(text)["checks"].values())
