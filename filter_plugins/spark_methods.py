@@ -53,6 +53,7 @@ SETTING_DEFAULTS: dict[str, object] = {
     "vllm_enable_prefix_caching": False,
     "vllm_max_num_seqs": None,
     "vllm_load_format": "",
+    "vllm_lm_head_int8": False,
     "vllm_serve_extra_args": [],
     # not in main.yml (see the module docstring)
     "vllm_model_path": "/model",
@@ -343,8 +344,9 @@ def _check_backends_per_method(errors: list[str], backends, catalogue: Mapping) 
 
 
 def _check_serving_features(errors: list[str], settings: Mapping) -> None:
-    """Tool calling, prefix caching, --max-num-seqs, --load-format."""
-    for name in ("vllm_enable_auto_tool_choice", "vllm_enable_prefix_caching"):
+    """Tool calling, prefix caching, --max-num-seqs, --load-format, the INT8 LM head (an env var
+    of the container, patch 0002; no argv)."""
+    for name in ("vllm_enable_auto_tool_choice", "vllm_enable_prefix_caching", "vllm_lm_head_int8"):
         value = _get(settings, name)
         if not isinstance(value, bool):
             errors.append(f"{name}={value!r} is not a boolean{_type_hint(name, value, 'false')}; set it "

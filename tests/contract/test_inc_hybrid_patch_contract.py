@@ -101,8 +101,14 @@ def series_patches(target: Target) -> list[Path]:
 
 
 def pristine_tree(target: Target, dest: Path) -> Path:
-    (dest / INC_REL).parent.mkdir(parents=True)
-    shutil.copy2(target.parent / INC_REL, dest / INC_REL)
+    """inc.py and every other existing file a patch of the series changes (later patches)."""
+    rels = {INC_REL}
+    for patch in series_patches(target):
+        rels.update(Path(ln[len("--- a/"):].split("\t")[0]) for ln in patch.read_text().splitlines()
+                    if ln.startswith("--- a/"))
+    for rel in rels:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(target.parent / rel, dest / rel)
     return dest
 
 

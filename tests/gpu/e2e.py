@@ -22,6 +22,7 @@ On a host with a CUDA GPU where ``import vllm`` works (vLLM 0.20.0 here, the DFl
      hybrid-ngram    patched, ngram
      stock-hybrid    stock vLLM, baseline, our hybrid
      recipe-mtp      patched, mtp, the hybrid without the MTP index patch
+     hybrid-mtp-int8 patched, mtp, INT8 LM head (SPARKLLM_LM_HEAD_INT8=1, what vllm_lm_head_int8 sets)
 4. asks each the same completions at temperature 0 (with logprobs), runs ``scripts/bench.py run``
    against hybrid-base, hybrid-mtp and hybrid-ngram, writes the report, and checks:
      - patched: our log line counts the 12 shared-expert FP8 layers, no weight_scale_inv is
@@ -30,6 +31,10 @@ On a host with a CUDA GPU where ``import vllm`` works (vLLM 0.20.0 here, the DFl
      - greedy text follows the tiny model's successor machine (the model works, not just loads);
      - mtp: /metrics counts drafts, acceptance >= MTP_MIN_ACCEPTANCE, tokens equal baseline's;
      - the recipe variant: what vLLM does without the MTP index patch is recorded;
+     - INT8 LM head (patch 0002): its log line names the Triton kernel for the target (and the MTP
+       drafter's copy, which vLLM then replaces by the target's head), no fallback warning; greedy
+       tokens of hybrid-mtp-int8 equal hybrid-mtp's (agreement count and max logprob difference
+       reported) and MTP acceptance over the probe requests stays >= MTP_MIN_ACCEPTANCE;
      - the runner's acceptance figures equal the deltas of the counters it recorded, and its last
        snapshot equals an independent scrape taken after it finished.
 Prints one JSON summary line (``E2E SUMMARY {...}``), writes DIR/summary.json; exit 0 when every
@@ -88,6 +93,16 @@ PROMPTS = ["The quick brown fox", "def main():", "Spark owners serve Qwen", "x =
 PROBE_TOKENS = 48
 FP8_LINE = re.compile(r"found (\d+) FP8 layers")
 SKIP_LINE = re.compile(r"weight_scale_inv not found in params_dict")
+# patch 0002's load line (patches/src/sparkllm_lm_head_int8.py) and its fallback/skip lines
+LM_HEAD_LINE = re.compile(r"sparkllm: lm_head INT8 \(per-row\), (\d+)x(\d+) in (\w+) \((\S+)\), "
+                          r"kernel (\w+), weight max abs err (\S+) \(max \|w\| (\S+)\), "
+                          r"check logits max abs err (\S+)")
+LM_HEAD_FALLBACK = re.compile(r"sparkllm: lm_head INT8 unavailable[^\n]*")
+LM_HEAD_SKIP = re.compile(r"sparkllm: lm_head INT8 skipped[^\n]*")
+# The environment vllm_lm_head_int8: true gives the server container (templates/sparkllm-vllm.env.j2).
+LM_HEAD_INT8_ENV = {"SPARKLLM_LM_HEAD_INT8": "1"}
+# INT8 logits move top-1 logprobs a little (per-row error <= max|w_row|/254 per weight).
+LM_HEAD_LOGPROB_TOL = 0.1
 
 
 def log(msg: str) -> None:
@@ -157,13 +172,14 @@ def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list
 
 # ------------------------------------------------------------------ servers
 class Server:
-    def __init__(self, label: str, method: str, model: str, port: int, pythonpath: str, logs: Path):
+    def __init__(self, label: str, method: str, model: str, port: int, pythonpath: str, logs: Path,
+                 extra_env: dict[str, str] | None = None):
         self.label, self.method, self.model, self.port = label, method, model, port
         settings = dict(SETTING_DEFAULTS, spec_method=method, vllm_model_path=model, vllm_port=port,
                         **TEST_OVERRIDES, **HOST_SETTINGS)
         self.argv = spark_serve_argv(settings, load_catalogue())
         self.env = dict(os.environ, **HOST_ENV, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1",
-                        VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+                        VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **(extra_env or {}))
         self.log_path = logs / f"vllm-{label}.log"
         self.proc: subprocess.Popen | None = None
         self.healthy_after: float | None = None
@@ -307,6 +323,48 @@ def follows_successors(results: list[dict]) -> int:
     return n
 
 
+def lm_head_lines(text: str) -> list[dict]:
+    keys = ("rows", "cols", "model", "name", "kernel", "weight_max_abs_err", "max_abs_w", "check_logit_err")
+    return [dict(zip(keys, (int(m[0]), int(m[1]), *m[2:]), strict=True)) for m in LM_HEAD_LINE.findall(text)]
+
+
+def acceptance(counters: dict) -> float | None:
+    drafted = counters.get(DRAFT_TOKENS) or 0
+    return round(counters.get(ACCEPTED, 0.0) / drafted, 4) if drafted else None
+
+
+def check_lm_head_int8(check, summary: dict, text: dict, results: dict, counters: dict) -> None:
+    """Patch 0002 on a real GPU: hybrid-mtp-int8 against hybrid-mtp (same checkpoint, same method)."""
+    lines = lm_head_lines(text["hybrid-mtp-int8"])
+    fallbacks = LM_HEAD_FALLBACK.findall(text["hybrid-mtp-int8"])
+    vocab = tiny_pair.vocab_size()
+    target = [ln for ln in lines if "MTP" not in ln["model"]]
+    # a drafter's own copy is replaced by the target's head after loading (vLLM shares it), so only
+    # the target's fallback fails the check; every line is reported
+    target_fallbacks = [f for f in fallbacks if "MTP (" not in f]
+    ok = bool(target) and not target_fallbacks and all(ln["kernel"] == "triton" and ln["rows"] >= vocab
+                                                       for ln in lines)
+    check("int8 lm_head: load line for the target, Triton kernel, no fallback", ok,
+          {"lines": lines, "fallbacks": fallbacks, "skips": LM_HEAD_SKIP.findall(text["hybrid-mtp-int8"])})
+    check("int8 lm_head: off unless asked (hybrid-mtp has no such line)",
+          "sparkllm: lm_head" not in text["hybrid-mtp"], None)
+    fig: dict = {"lines": lines}
+    if "hybrid-mtp" in results and "hybrid-mtp-int8" in results:
+        cmp = compare(results["hybrid-mtp"], results["hybrid-mtp-int8"])
+        fig["vs_hybrid_mtp"] = cmp
+        diff = cmp["max_abs_logprob_diff"]
+        check("int8 lm_head: greedy tokens equal hybrid-mtp's (BF16 head)",
+              cmp["same_tokens"] >= len(PROMPTS) - 1 and diff is not None and diff <= LM_HEAD_LOGPROB_TOL,
+              {"same_tokens": f"{cmp['same_tokens']}/{cmp['prompts']}", "max_abs_logprob_diff": diff,
+               "tolerance": LM_HEAD_LOGPROB_TOL})
+        rates = {k: acceptance(counters.get(k, {})) for k in ("hybrid-mtp", "hybrid-mtp-int8")}
+        fig["probe_acceptance"] = rates
+        rate = rates["hybrid-mtp-int8"]
+        check("int8 lm_head: MTP acceptance over the probe requests stays high",
+              rate is not None and rate >= MTP_MIN_ACCEPTANCE, rates)
+    summary["figures"]["lm_head_int8"] = fig
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="e2e.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="results: logs, run JSONs, report, summary.json")
@@ -350,14 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     stock_pp = os.pathsep.join([host["site"], os.environ.get("PYTHONPATH", "")])
     patched_pp = os.pathsep.join([str(patched), stock_pp])
     d = models["dirs"]
-    cases = [("int4-ref", "baseline", d["int4"], patched_pp),
-             ("hybrid-base", "baseline", d["hybrid"], patched_pp),
-             ("hybrid-mtp", "mtp", d["hybrid"], patched_pp),
-             ("hybrid-ngram", "ngram", d["hybrid"], patched_pp),
-             ("stock-hybrid", "baseline", d["hybrid"], stock_pp),
-             ("recipe-mtp", "mtp", d["recipe"], patched_pp)]
-    servers = {label: Server(label, method, model, 8101 + i, pp, a.out)
-               for i, (label, method, model, pp) in enumerate(cases)}
+    cases = [("int4-ref", "baseline", d["int4"], patched_pp, None),
+             ("hybrid-base", "baseline", d["hybrid"], patched_pp, None),
+             ("hybrid-mtp", "mtp", d["hybrid"], patched_pp, None),
+             ("hybrid-ngram", "ngram", d["hybrid"], patched_pp, None),
+             ("stock-hybrid", "baseline", d["hybrid"], stock_pp, None),
+             ("recipe-mtp", "mtp", d["recipe"], patched_pp, None),
+             ("hybrid-mtp-int8", "mtp", d["hybrid"], patched_pp, LM_HEAD_INT8_ENV)]
+    servers = {label: Server(label, method, model, 8101 + i, pp, a.out, env)
+               for i, (label, method, model, pp, env) in enumerate(cases)}
     for s in servers.values():
         s.start()
     log("started " + ", ".join(f"{s.label}:{s.port}" for s in servers.values()))
@@ -385,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{k}: completions failed: {probe_errors[k]}")
         summary["probe_errors"] = probe_errors
         up = [k for k in results]
-        for k in ("int4-ref", "hybrid-base", "hybrid-mtp", "hybrid-ngram", "stock-hybrid"):
+        probe_counters = {k: scrape(servers[k]) for k in ("hybrid-mtp", "hybrid-mtp-int8") if k in results}
+        for k in ("int4-ref", "hybrid-base", "hybrid-mtp", "hybrid-ngram", "stock-hybrid", "hybrid-mtp-int8"):
             brief = {x: summary["servers"][k][x] for x in ("state", "ready_s", "exit_code")}
             check(f"{k} serves", k in up, brief)
         text = {k: s.log_text() for k, s in servers.items()}
@@ -428,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary["figures"][f"{k}_vs_baseline"] = cmp
                 check(f"{k}: same greedy tokens as baseline (lossless)",
                       cmp["same_tokens"] >= len(PROMPTS) - 1, f"{cmp['same_tokens']}/{cmp['prompts']}")
+        check_lm_head_int8(check, summary, text, results, probe_counters)
         if "hybrid-base" in results:
             tool = {"type": "function", "function": {
                 "name": "get_weather", "description": "weather of a city",

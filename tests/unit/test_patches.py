@@ -104,8 +104,9 @@ def test_patch_is_a_well_formed_unified_diff(patch):
     assert files
     for f in files:
         # paths relative to the vLLM repo root, git style (git apply / patch -p1)
-        assert f["old"].startswith("a/vllm/") and f["new"].startswith("b/vllm/"), f
-        assert f["old"][2:] == f["new"][2:]
+        assert f["new"].startswith("b/vllm/"), f
+        if f["old"] != "/dev/null":  # /dev/null: a file the patch adds
+            assert f["old"].startswith("a/vllm/") and f["old"][2:] == f["new"][2:], f
     assert "\r" not in text
 
 
@@ -130,6 +131,51 @@ def test_inc_patch_0_20_0_takes_the_hf_config_keyword():
     added = "\n".join(ln for ln in (PATCHES / "vllm-0.20.0" / "0001-inc-hybrid-fp8.patch")
                       .read_text().splitlines() if ln.startswith("+"))
     assert 'hf_config: "PretrainedConfig | None" = None' in added
+
+
+LM_HEAD_SOURCE = PATCHES / "src" / "sparkllm_lm_head_int8.py"
+LM_HEAD_LOG = '"sparkllm: lm_head INT8 (per-row), %dx%d in %s (%s), kernel %s, weight max abs err "'
+
+
+def added_file(text: str, path: str) -> str:
+    """The content a patch gives a file it creates (the '+' lines of its single hunk)."""
+    body = text.split(f"+++ {path}\n", 1)[1]
+    lines = []
+    for line in body.splitlines()[1:]:  # after the @@ header
+        if line.startswith("diff --git"):
+            break
+        assert line.startswith("+"), line
+        lines.append(line[1:])
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("version", INC_VERSIONS)
+def test_lm_head_patch_adds_our_module_and_the_hook(version):
+    patch = PATCHES / f"vllm-{version}" / "0002-int8-lm-head.patch"
+    assert series(PATCHES / f"vllm-{version}")[-1] == patch.name
+    text = patch.read_text()
+    files = parse_unified_diff(text)
+    assert [(f["old"], f["new"]) for f in files] == [
+        ("/dev/null", "b/vllm/model_executor/layers/sparkllm_lm_head_int8.py"),
+        ("a/vllm/model_executor/model_loader/utils.py", "b/vllm/model_executor/model_loader/utils.py"),
+    ]
+    header = text.split("diff --git", 1)[0]
+    assert "Subject:" in header and "SPARKLLM_LM_HEAD_INT8" in header
+    # the module in the patch is patches/src's file, byte for byte (edit that one, regenerate)
+    module = added_file(text, "b/vllm/model_executor/layers/sparkllm_lm_head_int8.py")
+    assert module == LM_HEAD_SOURCE.read_text()
+    hook = text.split("+++ b/vllm/model_executor/model_loader/utils.py", 1)[1]
+    added = [ln[1:] for ln in hook.splitlines() if ln.startswith("+")]
+    assert "    if sparkllm_lm_head_int8.enabled():" in added
+    assert "        sparkllm_lm_head_int8.quantize_lm_heads(model)" in added
+    assert not [ln for ln in hook.splitlines() if ln.startswith("-")], "the hook only adds lines"
+
+
+def test_lm_head_module_says_what_it_logs():
+    source = LM_HEAD_SOURCE.read_text()
+    # the GPU end-to-end check greps this line (tests/gpu/e2e.py LM_HEAD_LOG_RE)
+    assert LM_HEAD_LOG in source
+    assert 'ENV = "SPARKLLM_LM_HEAD_INT8"' in source
 
 
 @pytest.mark.parametrize("bad", [

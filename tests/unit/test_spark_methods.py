@@ -89,7 +89,7 @@ def test_plugin_defaults_match_main_yml(main_yml):
         "vllm_allow_unauthenticated_bind", "spark_model_dir", "spark_tensor_parallel_size",
         "spark_distributed_backend", "vllm_attention_backend", "vllm_serve_extra_args",
         "vllm_attention_backends", "vllm_enable_auto_tool_choice", "vllm_tool_call_parser",
-        "vllm_enable_prefix_caching", "vllm_max_num_seqs", "vllm_load_format",
+        "vllm_enable_prefix_caching", "vllm_max_num_seqs", "vllm_load_format", "vllm_lm_head_int8",
     }
     assert set(main_yml) == required
 
@@ -582,11 +582,20 @@ def test_tool_calling_off_and_other_parser(catalogue):
     ({"vllm_max_num_seqs": "8"}, ["vllm_max_num_seqs='8' is not an integer", "-e '{"]),
     ({"vllm_load_format": "safetensor"}, ["vllm_load_format='safetensor'", "fastsafetensors"]),
     ({"vllm_load_format": 3}, ["vllm_load_format=3"]),
+    ({"vllm_lm_head_int8": "true"}, ["vllm_lm_head_int8='true' is not a boolean", "-e '{"]),
 ])
 def test_serving_feature_knobs_refused_with_the_fix(catalogue, overrides, fragments):
     (error,) = spark_method_settings_errors(settings(**overrides), catalogue)
     for fragment in fragments:
         assert fragment in error, error
+
+
+def test_lm_head_int8_knob_is_no_argv(catalogue):
+    """The INT8 LM head is an environment variable of the container (templates/sparkllm-vllm.env.j2),
+    never a vLLM argument: the argv is the same either way."""
+    on = spark_serve_argv(settings(vllm_lm_head_int8=True), catalogue)
+    assert on == spark_serve_argv(settings(), catalogue)
+    assert not [w for w in on if "lm_head" in w.lower() or "int8" in w.lower()]
 
 
 def test_prefix_caching_knob(catalogue):

@@ -186,6 +186,40 @@ def test_vllm_unit_reads_the_cluster_env_when_there_is_one(tmp_path: Path) -> No
     assert "cluster.env" not in single and "ray" not in single.lower()
 
 
+def container_args(tmp_path: Path, ctx: dict[str, Any]) -> list[str]:
+    """The docker argv the unit runs (fake docker, env file sourced by /bin/sh as systemd's unit does)."""
+    unit = render("sparkllm-vllm.service.j2", **ctx)
+    envfile = tmp_path / f"{ctx['spec_method']}.env"
+    envfile.write_text(render("sparkllm-vllm.env.j2", **ctx))
+    docker = tmp_path / "docker"
+    docker.write_text('#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done\n')
+    docker.chmod(docker.stat().st_mode | stat.S_IXUSR)
+    (exec_start,) = unit_value(unit, "ExecStart")
+    _, _, script = shlex.split(exec_start.replace("$$", "$"))
+    out = subprocess.run(
+        ["/bin/sh", "-c", 'set -a && . "$1" && exec /bin/sh -c "$2"', "sh", str(envfile), script],
+        capture_output=True, check=True,
+    ).stdout
+    return out.decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("value", [True, "true", False, None])
+def test_vllm_lm_head_int8_reaches_the_container_only_when_true(tmp_path: Path, value: Any) -> None:
+    """vllm_lm_head_int8 -> SPARKLLM_LM_HEAD_INT8=1 in the container's environment (patch 0002 reads
+    it); false or unset renders nothing, so the env file (and the serve hash) stay as they were."""
+    ctx = serve_ctx(tmp_path)
+    if value is not None:
+        ctx["vllm_lm_head_int8"] = value
+    got = container_args(tmp_path, ctx)
+    tail = got[got.index("--entrypoint") + 2 :]
+    if value in (True, "true"):
+        assert tail == [*DOCKER_OPTS, "--env=SPARKLLM_LM_HEAD_INT8=1", IMAGE, "serve", *ARGV]
+    else:
+        assert tail == [*DOCKER_OPTS, IMAGE, "serve", *ARGV]
+        assert "SPARKLLM_LM_HEAD_INT8" not in (tmp_path / "mtp.env").read_text().replace(
+            "vllm_lm_head_int8", "")
+
+
 def test_vllm_env_file_names_the_method_and_no_secret(tmp_path: Path) -> None:
     text = render("sparkllm-vllm.env.j2", **serve_ctx(tmp_path, "ngram"))
     assert "SPARKLLM_SERVE_METHOD=ngram\n" in text

@@ -1,0 +1,268 @@
+"""Our INT8 LM head patch (patches/vllm-<version>/0002-int8-lm-head.patch) against the real vLLM.
+
+Every test runs once per version (ids ``0.19.1`` and ``0.20.0``; 0.20.0 is the pure-Python part
+of its wheel in .cache/vllm-0.20.0-py, as in test_inc_hybrid_patch_contract.py).
+
+- The patch applies (git apply and patch -p1) to the pristine files it touches, on top of 0001,
+  and adds exactly patches/src/sparkllm_lm_head_int8.py.
+- lm_head_probe.py drives vLLM's own layers on the CPU platform (see its docstring) in four
+  configurations, run concurrently:
+  * patched, SPARKLLM_LM_HEAD_INT8=1 (CPU kernel: torch's _weight_int8pack_mm),
+  * patched, SPARKLLM_LM_HEAD_INT8=1, the Triton kernel the CUDA path uses, run by Triton's
+    interpreter (TRITON_INTERPRET=1; the interpreter's bf16 dot is wrong, so the kernel does its
+    tile product in fp32 there and in bf16 on a GPU: the rest of the kernel is the same code),
+  * patched, variable unset: must be byte-identical to the unpatched package,
+  * unpatched, SPARKLLM_LM_HEAD_INT8=1: the head stays BF16 (the tests can fail without the patch).
+
+Bounds (random N(0, 0.02) weights, N(0, 1) hidden states, vocabulary 1000 padded to 1024, 384
+wide, 64 tokens): logits within 2 % of max |logit| of the fp32 product of the original weights
+(per-row INT8 error is at most max|w_row| / 254 per weight; measured ~0.8 %, BF16 itself ~0.25 %),
+and at least 60 of 64 greedy tokens equal to the fp32 reference (measured 64). Not exercised:
+GPU speed or the kernel's bf16 tile product on real hardware (the load-time check in the patch
+compares the kernel with the dequantized weight on the GPU before the BF16 weight is dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm_contract
+
+CONTRACT_DIR = Path(__file__).resolve().parent
+ROOT = CONTRACT_DIR.parents[1]
+VERSIONS = ["0.19.1", "0.20.0"]
+PATCH_NAME = "0002-int8-lm-head.patch"
+UTILS_REL = Path("vllm/model_executor/model_loader/utils.py")
+NEW_REL = Path("vllm/model_executor/layers/sparkllm_lm_head_int8.py")
+SOURCE = ROOT / "patches" / "src" / "sparkllm_lm_head_int8.py"
+LOG_RE = re.compile(r"sparkllm: lm_head INT8 \(per-row\), 1024x384 in CausalLM \(lm_head\), kernel (\w+), "
+                    r"weight max abs err ([0-9.e+-]+) \(max \|w\| [0-9.e+-]+\), check logits max abs err "
+                    r"([0-9.e+-]+) vs bfloat16, 0\.8 MiB -> 0\.4 MiB")
+MAX_REL_ERR = 0.02
+MIN_ARGMAX_AGREE = 60  # of 64
+
+
+@dataclass(frozen=True)
+class Target:
+    version: str
+    package: Path
+    installed: bool
+
+    @property
+    def patch_dir(self) -> Path:
+        return ROOT / "patches" / f"vllm-{self.version}"
+
+
+@pytest.fixture(scope="session", params=VERSIONS)
+def lm_target(request, vllm_module) -> Target:
+    version = request.param
+    if version == vllm_module.__version__:
+        return Target(version, Path(vllm_module.__file__).resolve().parent, installed=True)
+    overlay = ROOT / ".cache" / f"vllm-{version}-py"
+    if not (overlay / ".complete").exists():
+        pytest.skip(f"{overlay} is missing: run tests/contract/setup_vllm_env.sh")
+    return Target(version, (overlay / "vllm").resolve(), installed=False)
+
+
+def series(target: Target) -> list[Path]:
+    names = [ln.strip() for ln in (target.patch_dir / "series").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    return [target.patch_dir / n for n in names]
+
+
+def git(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def lm_patched_parent(lm_target, tmp_path_factory) -> Path:
+    """A copy of the pristine vllm package with the whole series applied."""
+    parent = tmp_path_factory.mktemp(f"lm-head-site-{lm_target.version}")
+
+    def copy(src, dst):
+        if src.endswith(".so"):
+            os.symlink(src, dst)
+        else:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(lm_target.package, parent / "vllm", copy_function=copy)
+    for patch in series(lm_target):
+        applied = git("apply", str(patch), cwd=parent)
+        assert applied.returncode == 0, f"{patch.name}: {applied.stderr}"
+    return parent
+
+
+def run_probe(vllm_parent: Path | None, env_extra: dict[str, str], pristine: bool) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPARKLLM_LM_HEAD_INT8", "SPARKLLM_LM_HEAD_INT8_KERNEL", "TRITON_INTERPRET")}
+    env.update(env_extra)
+    if pristine:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    cmd = [sys.executable, str(CONTRACT_DIR / "lm_head_probe.py")]
+    if vllm_parent is not None:
+        cmd += ["--vllm-parent", str(vllm_parent)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    stdout, stderr = proc.communicate(timeout=900)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("LM_HEAD_PROBE_RESULT ")]
+    assert proc.returncode == 0 and lines, (stdout[-3000:], stderr[-4000:])
+    result = json.loads(lines[-1].split(" ", 1)[1])
+    result["log"] = stdout + stderr
+    return result
+
+
+@pytest.fixture(scope="session")
+def probes(lm_target, lm_patched_parent) -> dict[str, dict]:
+    pristine_parent = None if lm_target.installed else lm_target.package.parent
+    configs = {
+        "int8_torch": (lm_patched_parent, {"SPARKLLM_LM_HEAD_INT8": "1"}, False),
+        "int8_triton": (lm_patched_parent, {"SPARKLLM_LM_HEAD_INT8": "1",
+                                            "SPARKLLM_LM_HEAD_INT8_KERNEL": "triton",
+                                            "TRITON_INTERPRET": "1"}, False),
+        "patched_off": (lm_patched_parent, {}, False),
+        "unpatched_on": (pristine_parent, {"SPARKLLM_LM_HEAD_INT8": "1"}, True),
+    }
+    procs = {name: run_probe(*cfg) for name, cfg in configs.items()}
+    try:
+        return {name: finish(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+# --- the patch applies ---------------------------------------------------------------------------
+
+def test_patch_applies_to_pristine_files(lm_target, tmp_path):
+    tree = tmp_path / "src"
+    (tree / UTILS_REL).parent.mkdir(parents=True)
+    shutil.copy2(lm_target.package.parent / UTILS_REL, tree / UTILS_REL)
+    patch = lm_target.patch_dir / PATCH_NAME
+    assert PATCH_NAME in [p.name for p in series(lm_target)]
+    check = git("apply", "--check", "-v", str(patch), cwd=tree)
+    assert check.returncode == 0, check.stderr
+    assert git("apply", str(patch), cwd=tree).returncode == 0
+    assert (tree / NEW_REL).read_text() == SOURCE.read_text(), "the patch's new file is not patches/src's"
+    assert "sparkllm_lm_head_int8.quantize_lm_heads(model)" in (tree / UTILS_REL).read_text()
+    assert git("apply", "--check", "-R", str(patch), cwd=tree).returncode == 0
+    assert not (lm_target.package / NEW_REL.relative_to("vllm")).exists(), "pristine vLLM has our file"
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_patch_p1_works_in_site_packages_layout(lm_target, tmp_path):
+    tree = tmp_path / "site-packages"
+    (tree / UTILS_REL).parent.mkdir(parents=True)
+    shutil.copy2(lm_target.package.parent / UTILS_REL, tree / UTILS_REL)
+    proc = subprocess.run(["patch", "-p1", "-d", str(tree), "-i", str(lm_target.patch_dir / PATCH_NAME)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fuzz" not in proc.stdout.lower() and "offset" not in proc.stdout.lower()
+    assert (tree / NEW_REL).read_text() == SOURCE.read_text()
+
+
+# --- behaviour ------------------------------------------------------------------------------------
+
+def test_probes_ran_the_intended_code(probes, lm_patched_parent, lm_target):
+    for name in ("int8_torch", "int8_triton", "patched_off"):
+        assert Path(probes[name]["loader_utils_file"]).resolve() == (lm_patched_parent / UTILS_REL).resolve()
+    assert Path(probes["unpatched_on"]["loader_utils_file"]).resolve() == \
+        (lm_target.package.parent / UTILS_REL).resolve()
+    assert {p["vllm_version"] for p in probes.values()} == {lm_target.version}
+
+
+@pytest.mark.parametrize("config,kernel", [("int8_torch", "torch"), ("int8_triton", "triton")])
+def test_enabled_head_is_int8_and_bf16_weight_is_gone(probes, config, kernel):
+    head = probes[config]["head"]
+    assert head["method"] == "Int8LMHeadMethod"
+    assert head["dtype"] == "torch.int8" and head["shape"] == [1024, 384]
+    assert head["scale"] == ["torch.float32", [1024]]
+    assert head["params"] == ["weight", "weight_scale"]
+    assert head["old_weight_freed"] is True
+    # int8 weight + one fp32 scale per row: about half of the BF16 bytes
+    assert head["bytes_before"] == 1024 * 384 * 2
+    assert head["bytes_after"] == 1024 * 384 + 1024 * 4
+    logs = LOG_RE.findall(probes[config]["log"])
+    # target, MTP drafter and EAGLE drafter each load and quantize their own copy; the tied head and
+    # the one with a NaN weight are left
+    assert len(logs) == 3 and {k for k, _, _ in logs} == {kernel}, probes[config]["log"][-3000:]
+
+
+@pytest.mark.parametrize("config", ["int8_torch", "int8_triton"])
+def test_enabled_logits_match_the_reference(probes, config):
+    logits = probes[config]["logits"]
+    assert logits["dtype"] == "torch.bfloat16" and logits["shape"] == [64, 1000]
+    assert logits["max_rel_err"] < MAX_REL_ERR, logits
+    assert logits["max_rel_err"] > logits["bf16_max_rel_err"], "suspiciously exact: is it still BF16?"
+    assert logits["argmax_agree_fp32"] >= MIN_ARGMAX_AGREE, logits
+    assert logits["top_tokens_equal_argmax"] is True
+
+
+@pytest.mark.parametrize("config", ["int8_torch", "int8_triton"])
+def test_embeddings_are_never_quantized(probes, config):
+    result = probes[config]
+    assert result["embedding"] == {"dtype": "torch.bfloat16", "method": "UnquantizedEmbeddingMethod",
+                                   "unchanged": True}
+    assert result["embedding_lookup_exact"] is True
+    tied = result["tied"]
+    assert tied["shares_embedding"] is True and tied["logits_exact"] is True
+    assert tied["head_dtype"] == tied["embed_dtype"] == "torch.bfloat16"
+    assert tied["method"] == "UnquantizedEmbeddingMethod"
+    assert "its weight is shared with another module (tied embedding)" in result["log"]
+
+
+@pytest.mark.parametrize("config", ["int8_torch", "int8_triton"])
+def test_drafters_share_the_int8_head(probes, config):
+    """vLLM's own _maybe_share_lm_head: the MTP drafter takes the target's (INT8) head module;
+    an EAGLE drafter whose own head is identical is recognised as identical after quantization."""
+    for kind in ("mtp", "eagle_identical"):
+        d = probes[config]["drafters"][kind]
+        assert d == {"own_head_dtype_before_share": "torch.int8", "shares_target_head": True,
+                     "logits_equal_target": True}, (kind, d)
+
+
+@pytest.mark.parametrize("config", ["int8_torch", "int8_triton"])
+def test_a_head_it_cannot_quantize_stays_as_loaded(probes, config):
+    """Fallback: non-finite weights -> a warning naming the reason, the BF16 head untouched."""
+    assert probes[config]["non_finite"] == {"head_dtype": "torch.bfloat16",
+                                            "method": "UnquantizedEmbeddingMethod",
+                                            "weight_unchanged": True}
+    assert re.search(r"sparkllm: lm_head INT8 unavailable for CausalLM \(lm_head\): ValueError: "
+                     r"non-finite weights in rows 0\.\.1023; keeping torch\.bfloat16", probes[config]["log"])
+
+
+def test_triton_kernel_agrees_with_the_cpu_kernel(probes):
+    a, b = probes["int8_torch"]["logits"], probes["int8_triton"]["logits"]
+    assert a["argmax_agree_fp32"] == b["argmax_agree_fp32"]
+    assert abs(a["max_abs_err"] - b["max_abs_err"]) < 0.01
+
+
+def test_disabled_is_byte_identical_to_unpatched(probes):
+    off = probes["patched_off"]
+    assert off["head"]["method"] == "UnquantizedEmbeddingMethod"
+    assert off["head"]["dtype"] == "torch.bfloat16" and off["head"]["old_weight_freed"] is False
+    assert "sparkllm:" not in off["log"]
+    unpatched = probes["unpatched_on"]
+    assert off["logits"]["sha256"] == unpatched["logits"]["sha256"]
+    assert off["logits"]["max_rel_err"] == unpatched["logits"]["bf16_max_rel_err"]
+    for kind in ("mtp", "eagle_identical"):
+        assert off["drafters"][kind]["own_head_dtype_before_share"] == "torch.bfloat16"
+
+
+def test_unpatched_ignores_the_variable(probes):
+    """Without the patch the same probe sees a BF16 head: the INT8 assertions above can fail."""
+    unpatched = probes["unpatched_on"]
+    assert unpatched["head"]["dtype"] == "torch.bfloat16"
+    assert unpatched["head"]["method"] == "UnquantizedEmbeddingMethod"
+    assert unpatched["head"]["bytes_after"] == unpatched["head"]["bytes_before"]
+    assert "sparkllm: lm_head INT8" not in unpatched["log"]
