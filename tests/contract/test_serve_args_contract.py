@@ -262,7 +262,7 @@ def test_dflash_is_rejected_by_0_19_1(vllm_module, catalogue):
 # --- vLLM 0.20.0: dflash ------------------------------------------------------------------------
 
 def overlay_dir(variants) -> Path:
-    version = variants["v0_20_dflash"]["version"]
+    version = variants["v0_26_dflash"]["version"]
     return ROOT / ".cache" / f"vllm-{version}-py"
 
 
@@ -270,7 +270,7 @@ def run_probe_020(variants, requests: list[dict]) -> list[dict]:
     overlay = overlay_dir(variants)
     if not (overlay / ".complete").exists():
         pytest.skip(f"{overlay} is missing: run tests/contract/setup_vllm_env.sh (it fetches the vLLM "
-                    f"{variants['v0_20_dflash']['version']} wheel without dependencies)")
+                    f"{variants['v0_26_dflash']['version']} wheel without dependencies)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(CONTRACT_DIR)]))
     proc = subprocess.run(
         [sys.executable, str(CONTRACT_DIR / "vllm_probe.py")], input=json.dumps(requests), env=env,
@@ -293,7 +293,7 @@ def dflash_answers(vllm_module, catalogue, variants):
 
 def test_dflash_probe_ran_vllm_0_20(dflash_answers, variants):
     _, answers = dflash_answers
-    assert answers[0]["vllm_version"] == variants["v0_20_dflash"]["version"]
+    assert answers[0]["vllm_version"] == variants["v0_26_dflash"]["version"]
     assert "dflash" in answers[0]["methods"]
 
 
