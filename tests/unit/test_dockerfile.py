@@ -75,7 +75,8 @@ def test_dockerfile_renders_for_every_variant(variant, buildkit):
     text = rendered(variant, buildkit=buildkit)
     conf = VARIANTS[variant]
     assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
-        (ctx(variant)["vllm_build_base_image"], "base"), ("base", "build"), ("base", "runtime"), ("runtime", "patched")]
+        (ctx(variant)["vllm_build_base_image"], "base"), ("base", "build"), ("base", "runtime"),
+        ("runtime", "patched")]
     assert f"git checkout --detach {conf['ref']}" in text
     assert f"SETUPTOOLS_SCM_PRETEND_VERSION={conf['version']}" in text
     assert ("RUN --mount=type=cache,target=/root/.cache/ccache" in text) == buildkit

@@ -59,8 +59,10 @@ def test_catalogue_has_exactly_the_five_methods(catalogue):
 def test_every_method_names_an_existing_variant(methods_yml, catalogue):
     variants = methods_yml["spark_vllm_variants"]
     keys = ("ref", "extra_prs", "version")
-    assert {k: variants["v0_19_1"][k] for k in keys} == {"ref": "v0.19.1", "extra_prs": [], "version": "0.19.1"}
-    assert {k: variants["v0_26_dflash"][k] for k in keys} == {"ref": "v0.26.0", "extra_prs": [], "version": "0.26.0"}
+    assert {k: variants["v0_19_1"][k] for k in keys} == {"ref": "v0.19.1", "extra_prs": [],
+                                                         "version": "0.19.1"}
+    assert {k: variants["v0_26_dflash"][k] for k in keys} == {"ref": "v0.26.0", "extra_prs": [],
+                                                              "version": "0.26.0"}
     for method, entry in catalogue.items():
         assert entry["vllm_variant"] in variants
         assert entry["description"]

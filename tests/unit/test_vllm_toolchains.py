@@ -11,16 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import wheel_peek
 import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-import wheel_peek
-
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = yaml.safe_load((ROOT / "group_vars" / "all" / "methods.yml").read_text())["spark_vllm_variants"]
 # what every toolchain pins (the ABI-relevant stack and the packages the issue names)
-REQUIRED = {"torch", "torchvision", "torchaudio", "triton", "flashinfer-python", "transformers", "fastsafetensors"}
+REQUIRED = {"torch", "torchvision", "torchaudio", "triton", "flashinfer-python", "transformers",
+            "fastsafetensors"}
 LINUX_AARCH64 = {"platform_system": "Linux", "platform_machine": "aarch64", "sys_platform": "linux",
                  "python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
                  "platform_python_implementation": "CPython", "os_name": "posix"}
@@ -46,8 +46,8 @@ def _public(version: str) -> Version:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_toolchain_pins_every_package_exactly(variant):
     toolchain = VARIANTS[variant]["toolchain"]
-    assert REQUIRED <= set(toolchain), f"{variant} toolchain lacks {sorted(REQUIRED - set(toolchain))}"
-    for name, version in toolchain.items():
+    assert set(toolchain) >= REQUIRED, f"{variant} toolchain lacks {sorted(REQUIRED - set(toolchain))}"
+    for version in toolchain.values():
         Version(str(version))  # an exact version, not a range
     for name in ("torch", "torchvision", "torchaudio"):
         assert str(toolchain[name]).endswith("+cu130"), f"{variant}: {name} must be the CUDA 13 (cu130) build"
@@ -70,7 +70,8 @@ def test_toolchain_satisfies_the_release_metadata(variant):
     assert not wrong, f"{variant}: " + "; ".join(wrong)
     # the release must name what we pin for it (a pin of a package vLLM dropped is a stale toolchain)
     for name in ("torch", "torchvision", "flashinfer-python", "transformers"):
-        assert name in named, f"vLLM {conf['version']} no longer requires {name}; revisit {variant}'s toolchain"
+        assert name in named, (f"vLLM {conf['version']} no longer requires {name}; "
+                               f"revisit {variant}'s toolchain")
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -82,7 +83,8 @@ def test_triton_is_the_one_the_torch_release_requires(variant):
         tritons = [r for r in _requires("torch", torch) if r.name == "triton"]
     assert tritons, f"torch {torch} names no triton"
     for req in tritons:
-        assert req.specifier.contains(toolchain["triton"]), f"{variant}: triton=={toolchain['triton']}, torch {torch} needs {req}"
+        assert req.specifier.contains(toolchain["triton"]), (
+            f"{variant}: triton=={toolchain['triton']}, torch {torch} needs {req}")
 
 
 def test_the_metadata_check_catches_a_wrong_pin(monkeypatch):
