@@ -165,7 +165,7 @@ def test_dflash_is_refused_on_a_019_only_configuration(host, extra):
     fact_before = host.file(FACT).content_string
     res = _build(extra)
     assert res.rc != 0
-    assert "DFlash arrived in vLLM 0.20.0" in res.output
+    assert "DFlash arrived in vLLM 0.20.0" in _flat(res.output)
     assert "0.26.0 is the first release" in _flat(res.output)
     assert "Refusing to build" in res.output
     assert "TASK [vllm_build : Build" not in res.output
