@@ -19,7 +19,7 @@ from playbook_runner import run_playbook
 FACT = "/etc/ansible/facts.d/spark_build.fact"
 LOG = "/var/log/sparkllm/build-v0_19_1.log"
 REPO = "spark-vllm-build-test/vllm"
-PREBUILT = "spark-vllm-build-test/prebuilt:vllm-0.20.0"
+PREBUILT = "spark-vllm-build-test/prebuilt:vllm-0.26.0"
 FILES = Path(os.environ.get("MOLECULE_SCENARIO_DIRECTORY", Path(__file__).resolve().parents[1])) / "files"
 INC_IN_IMAGE = "/opt/fakepy/vllm/model_executor/layers/quantization/inc.py"
 
@@ -80,7 +80,7 @@ def test_fact_records_both_variants_and_their_checks(host):
     pulled = fact["variants"]["v0_26_dflash"]
     assert pulled["source"] == "pull"
     assert pulled["image"] == PREBUILT == fact["images"]["v0_26_dflash"]
-    assert pulled["checks"]["vllm_version"].startswith("0.20.0")
+    assert pulled["checks"]["vllm_version"].startswith("0.26.0")
     assert host.file(FACT).mode == 0o644
 
 
