@@ -263,8 +263,9 @@ def test_old_images_of_ours_are_pruned_and_nothing_else(host):
         host.run("docker image rm %s %s %s", stale, foreign, unlabelled)
 
 
-@pytest.mark.xfail(reason="molecule run 2026-11-30 20:46: the second run did not attach (two async job ids; its "
-                          "build ended rc!=0 while the first still ran); root cause not found yet", strict=False)
+@pytest.mark.xfail(reason="molecule run 2026-11-30 20:46: the second run did not attach (two async job "
+                          "ids; its build ended rc!=0 while the first still ran); cause not found yet",
+                   strict=False)
 def test_rerun_during_a_running_build_follows_it(host):
     """A rerun while a build runs finds the lock (job id, tag) and follows that build: one build only."""
     old = _fact(host)["variants"]["v0_19_1"]
