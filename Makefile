@@ -36,6 +36,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint --offline --profile production
+	$(BIN)/python -m pytest tests/unit/test_dockerfile.py -q -k hadolint  # templates/Dockerfile.j2, rendered per variant
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit -q -m "not vllm_contract"

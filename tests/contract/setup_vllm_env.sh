@@ -4,17 +4,17 @@
 # 1. .venv-vllm: the real vLLM 0.19.1 from PyPI (+ pytest, safetensors, numpy, pyyaml).
 #    A fresh install downloads about 11 GB (vllm pins torch 2.10.0) and takes about 5 minutes.
 #    The machine-wide pip constraint (/etc/xdg/pip/constraints.txt, torch<=2.14.1) is compatible.
-# 2. .cache/vllm-<DFLASH_VERSION>-py: the pure-Python part of the vLLM 0.20.0 wheel (the first
-#    release with DFlash), downloaded without dependencies (~245 MB wheel, ~40 MB extracted,
-#    compiled extensions left out). The contract tests put it first on PYTHONPATH in a
-#    subprocess of .venv-vllm to ask 0.20.0's own `vllm serve` parser and SpeculativeConfig about
-#    the dflash arguments. A second full environment (torch 2.11, another ~11 GB and ~5 min)
+# 2. .cache/vllm-<V>-py for V in 0.20.0 and 0.26.0: the pure-Python part of each wheel, downloaded
+#    without dependencies (~245 MB wheel, ~40 MB extracted, compiled extensions left out). 0.20.0
+#    carries our hybrid patch's contract; 0.26.0 is the dflash variant (v0_26_dflash): the contract
+#    tests put it first on PYTHONPATH in a subprocess of .venv-vllm to ask its own `vllm serve`
+#    parser and SpeculativeConfig about the dflash arguments. A second full environment (torch 2.11, another ~11 GB and ~5 min)
 #    would buy nothing more: without a GPU only the parser and config classes can be exercised.
 #
 # Idempotent: when both exist it exits in about a second.
 #
 # Usage: tests/contract/setup_vllm_env.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
-# Env:   PYTHON (default python3.11), VLLM_VERSION (0.19.1), VLLM_DFLASH_VERSION (0.20.0;
+# Env:   PYTHON (default python3.11), VLLM_VERSION (0.19.1), VLLM_OVERLAY_VERSIONS ("0.20.0 0.26.0";
 #        empty to skip step 2)
 set -euo pipefail
 
@@ -22,7 +22,8 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="${1:-${repo_root}/.venv-vllm}"
 python="${PYTHON:-python3.11}"
 vllm_version="${VLLM_VERSION:-0.19.1}"
-dflash_version="${VLLM_DFLASH_VERSION-0.20.0}"
+# 0.20.0: the hybrid patch of patches/vllm-0.20.0; 0.26.0: the dflash variant's serve arguments
+overlay_versions="${VLLM_OVERLAY_VERSIONS-0.20.0 0.26.0}"
 cache="${repo_root}/.cache"
 
 probe() {
@@ -52,7 +53,7 @@ else
   fi
 fi
 
-if [ -n "${dflash_version}" ]; then
+for dflash_version in ${overlay_versions}; do
   overlay="${cache}/vllm-${dflash_version}-py"
   if [ -f "${overlay}/.complete" ]; then
     echo "setup_vllm_env: ${overlay} already present"
@@ -76,5 +77,5 @@ PY
     mv "${tmp}" "${overlay}"
     rm -f "${wheels}"/vllm-"${dflash_version}"-*.whl
   fi
-fi
+done
 echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}" | cut -f1)"

@@ -1,7 +1,7 @@
 """The serve arguments our filter renders, checked by the real vLLM's own parser and config classes.
 
-vLLM 0.19.1 (in this interpreter) for every method it serves; vLLM 0.20.0 (the DFlash build's
-base, its pure-Python part run from .cache/ in a subprocess of this interpreter) for dflash.
+vLLM 0.19.1 (in this interpreter) for every method it serves; the dflash variant's vLLM (0.26.0, its
+pure-Python part run from .cache/ in a subprocess of this interpreter) for dflash.
 """
 
 from __future__ import annotations
@@ -259,10 +259,10 @@ def test_dflash_is_rejected_by_0_19_1(vllm_module, catalogue):
     assert "dflash" in report["stage_error"]
 
 
-# --- vLLM 0.20.0: dflash ------------------------------------------------------------------------
+# --- the dflash variant's vLLM (spark_vllm_variants.v0_26_dflash): dflash ---------------------------
 
 def overlay_dir(variants) -> Path:
-    version = variants["v0_20_dflash"]["version"]
+    version = variants["v0_26_dflash"]["version"]
     return ROOT / ".cache" / f"vllm-{version}-py"
 
 
@@ -270,7 +270,7 @@ def run_probe_020(variants, requests: list[dict]) -> list[dict]:
     overlay = overlay_dir(variants)
     if not (overlay / ".complete").exists():
         pytest.skip(f"{overlay} is missing: run tests/contract/setup_vllm_env.sh (it fetches the vLLM "
-                    f"{variants['v0_20_dflash']['version']} wheel without dependencies)")
+                    f"{variants['v0_26_dflash']['version']} wheel without dependencies)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(CONTRACT_DIR)]))
     proc = subprocess.run(
         [sys.executable, str(CONTRACT_DIR / "vllm_probe.py")], input=json.dumps(requests), env=env,
@@ -291,13 +291,13 @@ def dflash_answers(vllm_module, catalogue, variants):
     return cases, answers
 
 
-def test_dflash_probe_ran_vllm_0_20(dflash_answers, variants):
+def test_dflash_probe_ran_the_dflash_variants_vllm(dflash_answers, variants):
     _, answers = dflash_answers
-    assert answers[0]["vllm_version"] == variants["v0_20_dflash"]["version"]
+    assert answers[0]["vllm_version"] == variants["v0_26_dflash"]["version"]
     assert "dflash" in answers[0]["methods"]
 
 
-def test_tool_parser_and_load_formats_exist_on_0_20(dflash_answers):
+def test_tool_parser_and_load_formats_exist_on_the_dflash_variant(dflash_answers):
     _, answers = dflash_answers
     assert SETTING_DEFAULTS["vllm_tool_call_parser"] in answers[0]["tool_parsers"]
     assert set(LOAD_FORMATS) <= set(answers[0]["load_formats"])
@@ -307,7 +307,7 @@ def test_tool_parser_and_load_formats_exist_on_0_20(dflash_answers):
 
 
 @pytest.mark.parametrize("index", range(len(MAIN_OPTIONS)), ids=[c for c, _ in MAIN_OPTIONS])
-def test_dflash_argv_parses_on_0_20(dflash_answers, catalogue, index):
+def test_dflash_argv_parses_on_the_dflash_variant(dflash_answers, catalogue, index):
     cases, answers = dflash_answers
     result = answers[1 + index]
     assert result["ok"], result.get("stderr")
@@ -320,7 +320,7 @@ def test_dflash_argv_parses_on_0_20(dflash_answers, catalogue, index):
     assert result["args"]["gpu_memory_utilization"] <= 0.85
 
 
-def test_dflash_config_fields_accepted_by_0_20(dflash_answers):
+def test_dflash_config_fields_accepted_by_the_dflash_variant(dflash_answers):
     _, answers = dflash_answers
     report = answers[1 + len(MAIN_OPTIONS)]
     assert report["field_errors"] == {}
@@ -334,11 +334,11 @@ def test_dflash_probe_can_fail(dflash_answers):
     assert not result["ok"] and result["exit_code"] == 2
 
 
-# --- the real-GPU run's argv (tests/gpu/e2e.py) on vLLM 0.20.0 ----------------------------------
+# --- the real-GPU run's argv (tests/gpu/e2e.py) on the dflash variant's vLLM --------------------
 
-def test_gpu_e2e_argv_parses_on_0_20(vllm_module, catalogue, variants):
+def test_gpu_e2e_argv_parses_on_the_dflash_variant(vllm_module, catalogue, variants):
     """Every server tests/gpu/e2e.py starts, rendered by spark_serve_argv with the host knobs
-    (vllm_attention_backend, vllm_serve_extra_args), is accepted by 0.20.0's own parser."""
+    (vllm_attention_backend, vllm_serve_extra_args), is accepted by the dflash variant's own parser."""
     sys.path.insert(0, str(ROOT / "tests" / "gpu"))
     import e2e
 

@@ -187,3 +187,20 @@ def test_lm_head_module_says_what_it_logs():
 def test_parser_rejects_malformed_diffs(bad):
     with pytest.raises(AssertionError):
         parse_unified_diff(bad)
+
+
+@pytest.mark.parametrize("directory", VERSION_DIRS, ids=lambda d: d.name)
+def test_patches_touch_only_python_files(directory):
+    """The image applies the series to the installed package after the compile (templates/Dockerfile.j2,
+    stage `patched`): a patch of C++/CUDA sources would be silently meaningless there."""
+    for name in series(directory):
+        for entry in parse_unified_diff((directory / name).read_text()):
+            assert entry["new"].endswith(".py") and entry["new"].startswith("b/vllm/"), (
+                f"{directory.name}/{name} touches {entry['new']}: only Python files under vllm/ can be "
+                f"patched in the installed package; a compiled-source change belongs in the build stage")
+
+
+def test_the_python_only_check_catches_a_kernel_patch():
+    text = ("diff --git a/csrc/x.cu b/csrc/x.cu\n--- a/csrc/x.cu\n+++ b/csrc/x.cu\n@@ -1 +1 @@\n-a\n+b\n")
+    (entry,) = parse_unified_diff(text)
+    assert not entry["new"].endswith(".py")

