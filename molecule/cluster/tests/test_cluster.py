@@ -132,7 +132,7 @@ def test_wrong_link_mtu_is_named(monkeypatch):
 
 # ------------------------------------------------------------------ access: keys and firewall
 
-LAN_HEAD_IP = "10.213.78.10"  # the head on cluster-lan: a network that is not the link
+LAN_HEAD_IP = "10.213.78.10"  # the head on cluster-outside: a network that is not the link
 SYNC_KEY = "/root/.ssh/sparkllm_model_sync"
 SSH = (f"ssh -i {SYNC_KEY} -o BatchMode=yes -o StrictHostKeyChecking=accept-new "
        "-o UserKnownHostsFile=/root/.ssh/sparkllm_known_hosts")
@@ -147,8 +147,8 @@ def _authorized_keys(head) -> str:
 
 
 def _outsider_connects(ip: str, port: int) -> bool:
-    """A container on cluster-lan (not the link) opens a TCP connection to ip:port."""
-    proc = subprocess.run(["docker", "run", "--rm", "--network", "cluster-lan", "spark-testhost:bookworm",
+    """A container on cluster-outside (not the link) opens a TCP connection to ip:port."""
+    proc = subprocess.run(["docker", "run", "--rm", "--network", "cluster-outside", "spark-testhost:bookworm",
                            "python3", "-c", CONNECT, ip, str(port)], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode in (0, 1), proc.stderr
