@@ -173,6 +173,24 @@ def _firewalled_ports(node) -> set[int]:
     return ports
 
 
+def _listeners(node) -> list[tuple[str, int, str]]:
+    """(address, port, process) of every listening TCP socket."""
+    out = []
+    for line in node.check_output("ss -Htlnp").splitlines():
+        fields = line.split()
+        addr, port = fields[3].rsplit(":", 1)
+        out.append((addr.strip("[]"), int(port), " ".join(fields[5:])))
+    return out
+
+
+def _wildcard_ray_port(head) -> int:
+    """A firewalled port Ray listens on at every address (6379, the head's GCS, when it does)."""
+    allowed = _firewalled_ports(head)
+    ports = sorted({p for a, p, _ in _listeners(head) if a in ("0.0.0.0", "*", "::") and p in allowed})
+    assert ports, "Ray listens on no firewalled port at every address: nothing for the outsider to try"
+    return 6379 if 6379 in ports else ports[0]
+
+
 def test_no_worker_key_left_on_the_head(head):
     assert "sparkllm model sync" not in _authorized_keys(head)
 
@@ -201,29 +219,23 @@ def test_sync_key_entry_allows_only_a_read_only_rsync_of_the_model(head, worker)
 
 
 def test_ray_ports_answer_the_link_and_loopback_only(head, worker):
+    port = _wildcard_ray_port(head)
     # the firewall, not the network, is what stops the outsider: sshd on the same address answers it
     assert _outsider_connects(LAN_HEAD_IP, 22)
     dropped = _drops(head)
-    for port in (6379, 6380, 6381):
-        assert not _outsider_connects(LAN_HEAD_IP, port), port
+    assert not _outsider_connects(LAN_HEAD_IP, port), port
+    assert not _outsider_connects(LAN_HEAD_IP, 6381)
     assert _drops(head) > dropped
     for node, ip in ((worker, HEAD_IP), (head, "127.0.0.1"), (head, HEAD_IP)):
-        assert node.run(f"python3 -c {shlex.quote(CONNECT)} {ip} 6379").rc == 0, (node, ip)
+        assert node.run(f"python3 -c {shlex.quote(CONNECT)} {ip} {port}").rc == 0, (node, ip, port)
 
 
 def test_every_port_ray_listens_on_is_firewalled(head, worker):
     """Every non-loopback TCP listener but sshd (i.e. Ray's) is in the firewall's port set."""
     for node in (head, worker):
         allowed = _firewalled_ports(node)
-        stray = []
-        for line in node.check_output("ss -Htlnp").splitlines():
-            fields = line.split()
-            local, procs = fields[3], " ".join(fields[5:])
-            addr, port = local.rsplit(":", 1)
-            if addr.strip("[]") in ("127.0.0.1", "::1") or addr.startswith("127.") or '"sshd"' in procs:
-                continue
-            if int(port) not in allowed:
-                stray.append(f"{local} {procs}")
+        stray = [f"{a}:{p} {procs}" for a, p, procs in _listeners(node)
+                 if not (a.startswith("127.") or a == "::1" or '"sshd"' in procs) and p not in allowed]
         assert not stray, f"Ray listens beyond loopback on ports the firewall does not name: {stray}"
     # the firewall unit loads at boot and the Ray units start after it
     assert head.service("sparkllm-link-firewall.service").is_enabled
@@ -250,6 +262,7 @@ def test_failed_copy_leaves_no_key_on_the_head(head, worker, monkeypatch):
 def test_link_state_absent_removes_the_firewall_then_present_restores_it(head, worker):
     """absent: table, unit and files gone and Ray's port answers the outsider (the firewall was the block);
     present again (with a forced image copy): all back, the image reached the worker by ID."""
+    port = _wildcard_ray_port(head)
     removed = run_playbook("playbooks/cluster.yml", {"spark_link_state": "absent"})
     assert removed.rc == 0, removed.output[-3000:]
     try:
@@ -257,12 +270,12 @@ def test_link_state_absent_removes_the_firewall_then_present_restores_it(head, w
         for path in ("/etc/sparkllm/link-firewall.nft", "/etc/systemd/system/sparkllm-link-firewall.service",
                      "/etc/sparkllm/cluster.env", "/etc/netplan/40-sparkllm-link.yaml"):
             assert not head.file(path).exists, path
-        assert _outsider_connects(LAN_HEAD_IP, 6379)
+        assert _outsider_connects(LAN_HEAD_IP, port)
     finally:
         restored = run_playbook("playbooks/cluster.yml", {"ray_cluster_image_copy_force": True})
     assert restored.rc == 0, restored.output[-3000:]
     assert "Stream the image from the head into this worker's Docker engine" in restored.output
-    assert not _outsider_connects(LAN_HEAD_IP, 6379)
+    assert not _outsider_connects(LAN_HEAD_IP, port)
     assert _env(worker)["VLLM_HOST_IP"] == WORKER_IP
     ids = {n.check_output(f"docker image inspect --format '{{{{.Id}}}}' {IMAGE}") for n in (head, worker)}
     assert len(ids) == 1 and next(iter(ids)).startswith("sha256:")
