@@ -34,6 +34,7 @@ TEMPLATE_VARS = {
     "spark_link": {
         "spark_link_netplan_template": "netplan-link.yaml.j2",
         "spark_link_env_template": "cluster.env.j2",
+        "spark_link_firewall_template": "sparkllm-link-firewall.nft.j2",
     },
     "vllm_build": {"vllm_build_dockerfile_template": "Dockerfile.j2"},
 }

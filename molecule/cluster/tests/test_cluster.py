@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 from playbook_runner import PROJECT, run_playbook
@@ -126,3 +128,156 @@ def test_wrong_link_mtu_is_named(monkeypatch):
     assert result.rc != 0
     for node in ("cluster-head", "cluster-worker"):
         assert f"{node}: link interface eth0 has MTU 9000, expected 9100" in result.output, result.output
+
+
+# ------------------------------------------------------------------ access: keys and firewall
+
+LAN_HEAD_IP = "10.213.78.10"  # the head on cluster-outside: a network that is not the link
+SYNC_KEY = "/root/.ssh/sparkllm_model_sync"
+SSH = (f"ssh -i {SYNC_KEY} -o BatchMode=yes -o StrictHostKeyChecking=accept-new "
+       "-o UserKnownHostsFile=/root/.ssh/sparkllm_known_hosts")
+IMAGE = "sparkllm-cluster-test/vllm:standin"
+CONNECT = ("import socket,sys; s=socket.socket(); s.settimeout(3); "
+           "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)")
+
+
+def _authorized_keys(head) -> str:
+    f = head.file("/root/.ssh/authorized_keys")
+    return f.content_string if f.exists else ""
+
+
+def _outsider_connects(ip: str, port: int) -> bool:
+    """A container on cluster-outside (not the link) opens a TCP connection to ip:port."""
+    proc = subprocess.run(["docker", "run", "--rm", "--network", "cluster-outside", "spark-testhost:bookworm",
+                           "python3", "-c", CONNECT, ip, str(port)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode == 0
+
+
+def _drops(head) -> int:
+    doc = json.loads(head.check_output("nft -j list table inet sparkllm"))
+    rules = [item["rule"] for item in doc["nftables"] if "rule" in item]
+    return sum(e["counter"]["packets"] for rule in rules for e in rule["expr"] if "counter" in e)
+
+
+def _firewalled_ports(node) -> set[int]:
+    doc = json.loads(node.check_output("nft -j list set inet sparkllm ray_tcp_ports"))
+    ports: set[int] = set()
+    for item in next(i["set"] for i in doc["nftables"] if "set" in i)["elem"]:
+        if isinstance(item, dict):
+            lo, hi = item["range"]
+            ports.update(range(lo, hi + 1))
+        else:
+            ports.add(item)
+    return ports
+
+
+def _listeners(node) -> list[tuple[str, int, str]]:
+    """(address, port, process) of every listening TCP socket."""
+    out = []
+    for line in node.check_output("ss -Htlnp").splitlines():
+        fields = line.split()
+        addr, port = fields[3].rsplit(":", 1)
+        out.append((addr.strip("[]"), int(port), " ".join(fields[5:])))
+    return out
+
+
+def _wildcard_ray_port(head) -> int:
+    """A firewalled port Ray listens on at every address (6379, the head's GCS, when it does)."""
+    allowed = _firewalled_ports(head)
+    ports = sorted({p for a, p, _ in _listeners(head) if a in ("0.0.0.0", "*", "::") and p in allowed})
+    assert ports, "Ray listens on no firewalled port at every address: nothing for the outsider to try"
+    return 6379 if 6379 in ports else ports[0]
+
+
+def test_no_worker_key_left_on_the_head(head):
+    assert "sparkllm model sync" not in _authorized_keys(head)
+
+
+def test_sync_key_entry_allows_only_a_read_only_rsync_of_the_model(head, worker):
+    """The entry the role writes during a copy (same filter), tried from the worker while it exists."""
+    sys.path.insert(0, str(PROJECT / "filter_plugins"))
+    from spark_cluster import spark_sync_key_options
+
+    pub = worker.file(f"{SYNC_KEY}.pub").content_string.strip()
+    options = spark_sync_key_options(WORKER_IP, ["/usr/bin/rrsync", "-ro", MODEL])
+    before = _authorized_keys(head)
+    head.check_output("install -d -m 0700 /root/.ssh && printf '%s\\n' " + shlex.quote(f"{options} {pub}")
+                      + " >> /root/.ssh/authorized_keys")
+    try:
+        listing = worker.run(f"rsync --list-only --rsh '{SSH}' root@{HEAD_IP}:/")
+        assert listing.rc == 0 and "config.json" in listing.stdout, listing.stderr
+        shell = worker.run(f"{SSH} root@{HEAD_IP} id")
+        assert shell.rc != 0 and "uid=" not in shell.stdout
+        push = worker.run(f"rsync --rsh '{SSH}' /etc/hostname root@{HEAD_IP}:/pushed")
+        assert push.rc != 0 and not head.file(f"{MODEL}/pushed").exists
+        outside = worker.run(f"rsync --list-only --rsh '{SSH}' root@{HEAD_IP}:/../../../etc/")
+        assert outside.rc != 0 or "shadow" not in outside.stdout
+    finally:
+        head.check_output("printf '%s' " + shlex.quote(before) + " > /root/.ssh/authorized_keys")
+
+
+def test_ray_ports_answer_the_link_and_loopback_only(head, worker):
+    port = _wildcard_ray_port(head)
+    # the firewall, not the network, is what stops the outsider: sshd on the same address answers it
+    assert _outsider_connects(LAN_HEAD_IP, 22)
+    dropped = _drops(head)
+    assert not _outsider_connects(LAN_HEAD_IP, port), port
+    assert not _outsider_connects(LAN_HEAD_IP, 6381)
+    assert _drops(head) > dropped
+    for node, ip in ((worker, HEAD_IP), (head, "127.0.0.1"), (head, HEAD_IP)):
+        assert node.run(f"python3 -c {shlex.quote(CONNECT)} {ip} {port}").rc == 0, (node, ip, port)
+
+
+def test_every_port_ray_listens_on_is_firewalled(head, worker):
+    """Every non-loopback TCP listener but sshd (i.e. Ray's) is in the firewall's port set."""
+    for node in (head, worker):
+        allowed = _firewalled_ports(node)
+        stray = [f"{a}:{p} {procs}" for a, p, procs in _listeners(node)
+                 if not (a.startswith("127.") or a == "::1" or '"sshd"' in procs) and p not in allowed]
+        assert not stray, f"Ray listens beyond loopback on ports the firewall does not name: {stray}"
+    # the firewall unit loads at boot and the Ray units start after it
+    assert head.service("sparkllm-link-firewall.service").is_enabled
+
+
+def test_failed_copy_leaves_no_key_on_the_head(head, worker, monkeypatch):
+    """The head's sshd is down during a copy: the copy fails, the key entry is removed anyway; recovery."""
+    monkeypatch.setenv("ANSIBLE_CALLBACK_RESULT_FORMAT", "json")
+    worker.check_output("rm -f /etc/ansible/facts.d/spark_cluster.fact")
+    head.check_output("systemctl stop ssh.service ssh.socket 2>/dev/null || systemctl stop ssh.service")
+    try:
+        failed = run_playbook("playbooks/cluster.yml")
+        assert failed.rc != 0 and "Pull the checkpoint from the head" in failed.output, failed.output[-3000:]
+        assert "Remove the worker's key from the head again" in failed.output
+        assert "sparkllm model sync" not in _authorized_keys(head)
+    finally:
+        head.check_output("systemctl start ssh.service")
+    recovered = run_playbook("playbooks/cluster.yml")
+    assert recovered.rc == 0, recovered.output[-3000:]
+    assert "sparkllm model sync" not in _authorized_keys(head)
+    assert worker.file("/etc/ansible/facts.d/spark_cluster.fact").exists
+
+
+def test_link_state_absent_removes_the_firewall_then_present_restores_it(head, worker):
+    """absent: table, unit and files gone and Ray's port answers the outsider (the firewall was the block);
+    present again (with a forced image copy): all back, the image reached the worker by ID."""
+    port = _wildcard_ray_port(head)
+    removed = run_playbook("playbooks/cluster.yml", {"spark_link_state": "absent"})
+    assert removed.rc == 0, removed.output[-3000:]
+    try:
+        assert head.run("nft list table inet sparkllm").rc != 0
+        for path in ("/etc/sparkllm/link-firewall.nft", "/etc/systemd/system/sparkllm-link-firewall.service",
+                     "/etc/sparkllm/cluster.env", "/etc/netplan/40-sparkllm-link.yaml"):
+            assert not head.file(path).exists, path
+        assert _outsider_connects(LAN_HEAD_IP, port)
+    finally:
+        restored = run_playbook("playbooks/cluster.yml", {"ray_cluster_image_copy_force": True})
+    assert restored.rc == 0, restored.output[-3000:]
+    assert "Stream the image from the head into this worker's Docker engine" in restored.output
+    assert not _outsider_connects(LAN_HEAD_IP, port)
+    assert _env(worker)["VLLM_HOST_IP"] == WORKER_IP
+    ids = {n.check_output(f"docker image inspect --format '{{{{.Id}}}}' {IMAGE}") for n in (head, worker)}
+    assert len(ids) == 1 and next(iter(ids)).startswith("sha256:")
+    assert "sparkllm model sync" not in _authorized_keys(head)
+    assert _active_ray_nodes(head) == 2
