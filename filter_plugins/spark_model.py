@@ -6,8 +6,9 @@ Pure Python (standard library only); Ansible only needs the ``FilterModule`` at 
   sha256 equals the recorded one, every listed file present with its size)?
 - ``spark_fetch_todo``: which checkpoints ``model_fetch`` still has to fetch.
 - ``spark_hybrid_current``: whether ``model_hybrid``'s merged model is current.
-- ``spark_revision_lock`` / ``spark_model_revision``: a branch is resolved to a commit once, at the
-  first fetch; reruns read the recorded commit until an update is asked for.
+- ``spark_revision_lock`` / ``spark_fetch_record`` / ``spark_model_revision``: a branch is resolved to
+  a commit once, at the first fetch, and recorded; reruns read the recorded commit until an update is
+  asked for.
 - ``spark_fact_merge``: the one merge rule of the ``spark_model`` local fact (both roles write it
   through ``roles/spark_tools/tasks/model_fact.yml``).
 - ``spark_method_image``: the vLLM image of a method's build variant (override, the build role's
@@ -152,6 +153,34 @@ def spark_model_revision(fact: Mapping[str, Any]) -> str | None:
     return " ".join(parts) or None
 
 
+def spark_fetch_record(item: Mapping[str, Any], manifest_text: str, tool_stdout: str = "") -> dict[str, Any]:
+    """The ``spark_model`` fact update after checkpoint ``item`` was fetched and its manifest written:
+    ``<key>_verified``, the ``<key>`` record (dir, source, requested revision, commit read, manifest
+    sha256, files, bytes) and, for a Hub fetch whose tool named a commit, the ``revisions`` lock."""
+    key = item["key"]
+    doc = json.loads(manifest_text)
+    files = doc.get("files", [])
+    try:
+        tool = json.loads(tool_stdout) if tool_stdout and tool_stdout.strip() else {}
+    except ValueError:
+        tool = {}
+    commit = (tool.get("commit") or "") if isinstance(tool, dict) else ""
+    record = {
+        "dir": item["dir"],
+        "source": item["source"],
+        "revision": item.get("revision", ""),
+        "commit": commit,
+        "manifest_sha256": hashlib.sha256(manifest_text.encode("utf-8")).hexdigest(),
+        "files": len(files),
+        "bytes": sum(int(f["size"]) for f in files),
+    }
+    out: dict[str, Any] = {f"{key}_verified": True, key: record}
+    if item.get("repo") and COMMIT_RE.fullmatch(commit):
+        lock = {"repo": item["repo"], "requested": item.get("revision", ""), "commit": commit}
+        out["revisions"] = {key: lock}
+    return out
+
+
 def spark_fact_merge(fact: Mapping[str, Any] | None, update: Mapping[str, Any]) -> dict[str, Any]:
     """The fact with ``update``'s top-level keys replaced; ``revisions`` is merged per checkpoint
     (forgetting a checkpoint's record keeps the commit it was locked to)."""
@@ -196,5 +225,6 @@ class FilterModule:
             "spark_revision_lock": spark_revision_lock,
             "spark_model_revision": spark_model_revision,
             "spark_fact_merge": spark_fact_merge,
+            "spark_fetch_record": spark_fetch_record,
             "spark_method_image": spark_method_image,
         }

@@ -13,6 +13,7 @@ import yaml
 from spark_model import (
     FilterModule,
     spark_fact_merge,
+    spark_fetch_record,
     spark_fetch_todo,
     spark_hybrid_current,
     spark_manifest_matches,
@@ -156,6 +157,23 @@ def test_model_revision_names_each_checkpoint_commit():
     assert spark_model_revision({"revisions": {"int4": {"repo": "Intel/x", "commit": ""}}}) is None
 
 
+def test_fetch_record_locks_the_commit_the_tool_read():
+    hub = {"key": "int4", "dir": "/c/int4", "source": "hub:Intel/x@main", "repo": "Intel/x",
+           "revision": "main"}
+    out = spark_fetch_record(hub, TEXT, json.dumps({"changed": True, "commit": SHA_A}))
+    assert out["int4_verified"] is True
+    assert out["int4"] == {"dir": "/c/int4", "source": "hub:Intel/x@main", "revision": "main",
+                           "commit": SHA_A, "manifest_sha256": sha(TEXT), "files": 2, "bytes": 107}
+    assert out["revisions"] == {"int4": {"repo": "Intel/x", "requested": "main", "commit": SHA_A}}
+    # the lock it writes is the one the next run reads
+    assert spark_revision_lock(spark_fact_merge({}, out), "int4", "Intel/x", "main") == SHA_A
+    # a mirror, or a tool that named no commit: recorded, but nothing to lock
+    mirror = {"key": "fp8", "dir": "/c/fp8", "source": "mirror:/m/fp8#abc"}
+    assert "revisions" not in spark_fetch_record(mirror, TEXT, '{"changed": true}')
+    assert "revisions" not in spark_fetch_record(hub, TEXT, "not json")
+    assert "revisions" not in spark_fetch_record(hub, TEXT, json.dumps({"commit": "abc123"}))
+
+
 def test_fact_merge_replaces_keys_and_keeps_other_locks():
     fact = {"int4_verified": True, "int4": {"dir": "/a"}, "hybrid_verified": True,
             "revisions": {"int4": {"commit": SHA_A}, "fp8": {"commit": SHA_B}}}
@@ -204,4 +222,5 @@ def test_roles_resolve_the_image_and_write_the_model_fact_in_one_place():
 def test_filter_module_exports_every_filter():
     names = set(FilterModule().filters())
     assert names == {"spark_manifest_matches", "spark_fetch_todo", "spark_hybrid_current",
-                     "spark_revision_lock", "spark_model_revision", "spark_fact_merge", "spark_method_image"}
+                     "spark_revision_lock", "spark_model_revision", "spark_fact_merge", "spark_method_image",
+                     "spark_fetch_record"}
