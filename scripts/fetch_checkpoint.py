@@ -540,7 +540,11 @@ def hub_fetch(
     claim_dir(dest)
     record_path = dest / SOURCE_RECORD
     record = _read_json(record_path)
-    verified: dict[str, Any] = record.get("verified", {}) if record.get("revision") == revision else {}
+    commit = client.commit()  # listing pinned the revision: no extra request
+    # Files verified earlier count when they were read from the same revision, or from the same commit
+    # under another name (the branch a first fetch named, and the commit SHA a locked rerun names).
+    same = record.get("revision") == revision or (commit is not None and record.get("commit") == commit)
+    verified: dict[str, Any] = record.get("verified", {}) if same else {}
 
     def done(rf: RemoteFile) -> bool:
         p = dest / rf.name
@@ -563,8 +567,9 @@ def hub_fetch(
             path.unlink(missing_ok=True)
             raise
         verified[rf.name] = {"size": rf.size, "sha256": rf.sha256, "mtime_ns": path.stat().st_mtime_ns}
-        write_json_atomic(record_path, {"repo": repo, "revision": revision, "verified": verified})
-    commit = client.commit() if todo else record.get("commit")
+        write_json_atomic(
+            record_path, {"repo": repo, "revision": revision, "commit": commit, "verified": verified}
+        )
     out = {"repo": repo, "revision": revision, "commit": commit, "mode": "hub", "verified": verified}
     write_json_atomic(record_path, out)
     return {"changed": bool(todo), "files": len(files), "downloaded": len(todo), "commit": commit}

@@ -249,6 +249,26 @@ def test_hub_fetch_verifies_and_resumes(pair: GeneratedPair, tmp_path: Path) -> 
     assert json.loads((dest / ".sparkllm_source.json").read_text())["commit"] == "abc123"
 
 
+def test_hub_rerun_at_the_locked_commit_reuses_files_fetched_from_the_branch(
+    pair: GeneratedPair, tmp_path: Path
+) -> None:
+    """The role reruns a fetch with the commit SHA recorded at the first fetch (which named a branch):
+    files verified then are not downloaded again; another commit starts over."""
+    dest = tmp_path / "hub"
+    hub = FakeHub(pair.int4_dir)
+    assert fc.hub_fetch(hub, "Intel/x", "main", dest, [])["changed"] is True
+    (dest / "config.json").unlink()  # one file lost: the role's todo check sends this checkpoint again
+    hub.downloads.clear()
+    res = fc.hub_fetch(hub, "Intel/x", "abc123", dest, [])
+    assert hub.downloads == ["config.json"] and res["commit"] == "abc123"
+    record = json.loads((dest / ".sparkllm_source.json").read_text())
+    assert record["revision"] == "abc123" and record["commit"] == "abc123"
+    hub.commit = lambda: "def456"  # type: ignore[method-assign]
+    hub.downloads.clear()
+    fc.hub_fetch(hub, "Intel/x", "main", dest, [])
+    assert "config.json" in hub.downloads and len(hub.downloads) > 1
+
+
 def test_hub_include_filter_and_no_match(pair: GeneratedPair, tmp_path: Path) -> None:
     hub = FakeHub(pair.int4_dir)
     fc.hub_fetch(hub, "Intel/x", "r", tmp_path / "d", ["*.json"])

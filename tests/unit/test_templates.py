@@ -114,6 +114,9 @@ IMAGE = "sparkllm/vllm:v0.19.1-0123456789ab"
 DOCKER_OPTS = ["--gpus", "all", "--volume=/srv/model:/model:ro", "--env=VLLM_LOGGING_LEVEL=INFO"]
 
 
+MODEL_SHA = "5e" * 32
+
+
 def serve_ctx(tmp_path: Path, method: str = "mtp", cluster_env: str = "") -> dict[str, Any]:
     ctx = defaults("serve")
     cat = catalogue()
@@ -133,6 +136,7 @@ def serve_ctx(tmp_path: Path, method: str = "mtp", cluster_env: str = "") -> dic
         _serve_image=IMAGE,
         _serve_docker_opts=DOCKER_OPTS,
         _serve_argv=ARGV,
+        _serve_model_manifest_sha256=MODEL_SHA,
     )
     return ctx
 
@@ -224,6 +228,8 @@ def test_vllm_lm_head_int8_reaches_the_container_only_when_true(tmp_path: Path, 
 def test_vllm_env_file_names_the_method_and_no_secret(tmp_path: Path) -> None:
     text = render("sparkllm-vllm.env.j2", **serve_ctx(tmp_path, "ngram"))
     assert "SPARKLLM_SERVE_METHOD=ngram\n" in text
+    # the model's identity is in the unit's environment: a new model changes the file, so the server restarts
+    assert f"SPARKLLM_MODEL_MANIFEST_SHA256={MODEL_SHA}\n" in text
     assert f'SPARKLLM_SERVE_IMAGE="{IMAGE}"\n' in text
     assert catalogue()["ngram"]["description"] in text
     assert "HF_TOKEN" not in text and "VLLM_API_KEY" not in text

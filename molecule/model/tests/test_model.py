@@ -194,6 +194,42 @@ def test_force_check_mode_prints_the_merge_plan_without_writing(host):
     assert not host.file(f"{MODEL}.staging").exists
 
 
+PROBE = "sparkllm-vllm-probe"  # a stand-in server unit (model_hybrid_server_unit_prefix-*)
+PROBE_UNIT = f"""[Unit]
+Description=stand-in server that holds the merged model open
+[Service]
+ExecStart=/bin/sh -c 'cd {MODEL} && exec sleep infinity'
+ExecStop=/bin/sh -c 'stat -c %%i {MODEL} > /tmp/{PROBE}-saw'
+"""
+
+
+@pytest.fixture
+def probe_server(host):
+    host.check_output(f"cat > /etc/systemd/system/{PROBE}.service <<'EOF'\n{PROBE_UNIT}EOF\n")
+    host.check_output(f"rm -f /tmp/{PROBE}-saw && systemctl daemon-reload && systemctl start {PROBE}")
+    yield
+    host.run(f"systemctl stop {PROBE}; rm -f /etc/systemd/system/{PROBE}.service /tmp/{PROBE}-saw; "
+             "systemctl daemon-reload")
+
+
+def test_a_new_merge_stops_the_server_before_it_replaces_the_model(host, probe_server):
+    """A running server holds the model directory: the model stage stops it before the swap, so it
+    never serves a directory that was moved and deleted under it."""
+    assert host.service(f"{PROBE}.service").is_running
+    old_inode = host.check_output("stat -c %%i %s", MODEL)
+    res = run_playbook("playbooks/model.yml", {"model_hybrid_force": True})
+    assert res.rc == 0, res.output[-3000:]
+    assert f"Stopped {PROBE}.service before replacing {MODEL}" in _flat(res.output)
+    assert not host.service(f"{PROBE}.service").is_running
+    # when the unit stopped, the model it held was still the old directory, in place
+    assert host.file(f"/tmp/{PROBE}-saw").content_string.strip() == old_inode
+    assert host.check_output("stat -c %%i %s", MODEL) != old_inode  # then the new one moved in
+    fact = _json(host, FACT)
+    assert fact["hybrid_verified"] and fact["int4_verified"] and fact["fp8_verified"]
+    assert fact["hybrid"]["manifest_sha256"] == host.file(f"{MODEL}/sparkllm-manifest.json").sha256sum
+    assert not host.file(f"{MODEL}.old").exists and not host.file(f"{MODEL}.staging").exists
+
+
 @pytest.fixture
 def neg_area(host):
     host.run("rm -rf /srv/neg /srv/mirror-bad")

@@ -171,6 +171,34 @@ def test_fact_remembers_method_hash_and_image(host):
     assert host.file(FACT).mode == 0o644
 
 
+MODEL_MANIFEST = "/tmp/molecule-serve/model/sparkllm-manifest.json"  # prepare.yml
+
+
+def test_env_file_and_fact_carry_the_model_manifest_sha_and_the_image_id(host):
+    sha = host.file(MODEL_MANIFEST).sha256sum
+    env = host.file(f"{CONF}/mtp.env").content_string
+    assert f"\nSPARKLLM_MODEL_MANIFEST_SHA256={sha}\n" in env
+    fact = _fact(host)
+    assert fact["model_manifest_sha256"] == sha
+    image_id = host.check_output("docker image inspect --format '{{.Id}}' serve-standin:test").strip()
+    assert fact["image_id"] == image_id == _inspect(host, "mtp")["Image"]
+
+
+def test_a_new_model_manifest_restarts_the_server(host):
+    """Re-merging the model changes its manifest: the config hash changes and the server restarts."""
+    before, old_hash = _inspect(host, "mtp")["Id"], _fact(host)["config_hash"]
+    host.check_output(f"cp {MODEL_MANIFEST} {MODEL_MANIFEST}.orig && echo ' ' >> {MODEL_MANIFEST}")
+    try:
+        res = run_playbook("playbooks/serve.yml", {"spec_method": "mtp"})
+        assert res.rc == 0, res.output[-3000:]
+        sha = host.file(MODEL_MANIFEST).sha256sum
+        assert _fact(host)["model_manifest_sha256"] == sha and _fact(host)["config_hash"] != old_hash
+        assert _inspect(host, "mtp")["Id"] != before
+        _assert_only_active(host, "mtp")
+    finally:
+        host.check_output(f"mv {MODEL_MANIFEST}.orig {MODEL_MANIFEST}")
+
+
 def test_switch_to_ngram_stops_mtp(host):
     assert host.service(UNIT.format("mtp")).is_running
     res = run_playbook("playbooks/serve.yml", {"spec_method": "ngram"})
