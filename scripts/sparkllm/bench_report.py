@@ -207,6 +207,25 @@ def method_table(runs: list[RunRow], baseline: str) -> list[MethodStats]:
     return out
 
 
+def _distinct(runs: Sequence[RunRow], key: str, width: int = 0) -> str:
+    vals = sorted({str(v)[:width] if width else str(v) for r in runs
+                   if (v := r.doc.get("meta", {}).get(key)) not in (None, "")})
+    return ", ".join(f"`{v}`" for v in vals) if vals else "-"
+
+
+def provenance_lines(stats: Sequence[MethodStats]) -> list[str]:
+    """What each row measured: the model's revision (the commit the fetch was locked to), the toolkit's
+    commit on the controller and the server image, from the runs' meta; several values in one cell mean
+    the row pooled runs of several (possible only for keys the configuration hash leaves out)."""
+    if not stats:
+        return []
+    lines = ["", "## Provenance", "", "| row | model revision | toolkit commit | image |",
+             "|---|---|---|---|"]
+    lines += [f"| {m.label} | {_distinct(m.runs, 'model_revision')} "
+              f"| {_distinct(m.runs, 'toolkit_commit', 12)} | {_distinct(m.runs, 'image')} |" for m in stats]
+    return lines
+
+
 def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: str, charts: list[str],
                     notes: Sequence[str] = ()) -> str:
     lines = ["# Speculative decoding benchmark report", "",
@@ -254,6 +273,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
                   "| row | configuration hash | compared with | context |", "|---|---|---|---|"]
         lines += [f"| {m.label} | {m.config_hash or '-'} | {m.baseline_row or '-'} | `{m.context}` |"
                   for m in stats]
+    lines += provenance_lines(stats)
     lines += ["", "## Invalid runs (excluded from the comparison)", ""]
     if invalid:
         lines += ["| run | label | problems |", "|---|---|---|"]

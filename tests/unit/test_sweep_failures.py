@@ -151,3 +151,25 @@ def test_report_never_pools_different_contexts() -> None:
     m4 = next(m for m in lone if m.base_label == "mtp-k2")
     assert m4.speedup["gmean"] is None and m4.baseline_row is None
     assert "no baseline run in the same context" in bench_report.render_markdown(lone, [], "baseline", [])
+
+
+def test_report_shows_what_each_row_measured() -> None:
+    """The provenance table names the model revision, toolkit commit and image of each row's runs."""
+    from sparkllm import bench_report
+
+    def run(label: str, rep: int, meta: dict) -> bench_report.RunRow:
+        doc = fake_doc(label, rep, [10.0] * 3, config_hash=label, run_id=f"{label}-{rep}")
+        doc["meta"].update(meta)
+        return bench_report.RunRow(doc["run_id"], label, True, [], rep, doc["meta"]["started_utc"], 10.0,
+                                   doc, [10.0] * 3, {})
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    runs = [run("baseline", 1, {"model_revision": sha, "toolkit_commit": "f" * 40, "image": "img:a"}),
+            run("mtp-k2", 1, {"model_revision": sha, "toolkit_commit": None, "image": "img:b"})]
+    md = bench_report.render_markdown(bench_report.method_table(runs, "baseline"), [], "baseline", [])
+    table = md.split("## Provenance", 1)[1].split("##", 1)[0]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    base = rows["baseline"]
+    assert f"`{sha}`" in base and f"`{'f' * 12}`" in base and "`img:a`" in base
+    assert rows["mtp-k2"].split("|")[3].strip() == "-"      # no commit recorded: a dash, not "None"
+    assert "`img:b`" in rows["mtp-k2"]
