@@ -61,9 +61,11 @@ def main() -> int:
     import vllm
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.layers.quantization import inc as inc_module
+    from vllm.model_executor.layers.quantization.inc import INCConfig
 
-    report: dict[str, object] = {"vllm_file": vllm.__file__, "inc_file": inc_module.__file__,
+    # the file INCConfig is defined in: quantization/inc.py (0.19.1, 0.20.0), inc/inc.py (0.26.0)
+    report: dict[str, object] = {"vllm_file": vllm.__file__,
+                                 "inc_file": sys.modules[INCConfig.__module__].__file__,
                                  "vllm_version": vllm.__version__}
     kernel_calls = record_fp8_kernel_choice()
     torch.set_default_dtype(torch.bfloat16)
@@ -236,13 +238,13 @@ def probe_with_config(path: str, config) -> dict[str, object]:
     qkv = QKVParallelLinear(hidden, head_dim, 2 * heads, kv_heads, bias=False, quant_config=None,
                             prefix=f"{prefix}.self_attn.qkv_proj")
     int4_prefix = "language_model.model.layers.3.self_attn.qkv_proj"
-    result["int4_attention_method"] = type(config.apply_gptq_quant_layer(qkv, int4_prefix)).__name__
+    result["int4_attention_method"] = int4_linear_method(config, qkv, int4_prefix)
     fp8_first = getattr(config, "get_fp8_quant_method", None)
     result["int4_attention_fp8_route"] = type(fp8_first(qkv, int4_prefix)).__name__ if fp8_first else None
     expert_prefix = f"{prefix}.mlp.experts.0.gate_proj"
     expert = RowParallelLinear(text["moe_intermediate_size"], hidden, bias=False, quant_config=None,
                                prefix=expert_prefix)
-    result["int4_expert_linear_method"] = type(config.apply_gptq_quant_layer(expert, expert_prefix)).__name__
+    result["int4_expert_linear_method"] = int4_linear_method(config, expert, expert_prefix)
     result["int4_expert_fp8_route"] = type(fp8_first(expert, expert_prefix)).__name__ if fp8_first else None
     # Router and shared-expert gate stay 16-bit in both versions.
     gate = RowParallelLinear(hidden, 1, bias=False, quant_config=None,
@@ -250,6 +252,28 @@ def probe_with_config(path: str, config) -> dict[str, object]:
     result["shared_expert_gate_method"] = type(
         config.get_quant_method(gate, f"{prefix}.mlp.shared_expert_gate")).__name__
     return result
+
+
+def method_name(method) -> str:
+    """Class name of a linear method; 0.26.0's INC wrapper as ``INCLinearMethod(<inner>)``."""
+    inner = getattr(getattr(method, "scheme", None), "inner_method", None)
+    name = type(method).__name__
+    return f"{name}({type(inner).__name__})" if inner is not None else name
+
+
+def int4_linear_method(config, layer, prefix: str) -> str:
+    """The method INC picks for an INT4 linear layer on CUDA.
+
+    0.19.1/0.20.0: apply_gptq_quant_layer (what get_quant_method calls on CUDA). 0.26.0 has no
+    such method: its own get_quant_method (config parser, then the scheme factory) runs as it is.
+    On the CPU platform (no auto_round_kernel installed) its WNA16 scheme falls back to the same
+    INCLinearMethod(INCWNA16LinearScheme) its CUDA branch returns, and that scheme builds the
+    GPTQ-Marlin method (AutoGPTQLinearMethod) when Marlin supports the type and group size.
+    """
+    legacy = getattr(config, "apply_gptq_quant_layer", None)
+    if legacy is not None:
+        return method_name(legacy(layer, prefix))
+    return method_name(config.get_quant_method(layer, prefix))
 
 
 if __name__ == "__main__":

@@ -177,17 +177,31 @@ def probe(torch, loader_utils) -> dict[str, object]:
     # --- drafters sharing the target's head through vLLM's own proposer code ------------------
     from vllm.v1.spec_decode.eagle import EagleProposer
 
-    share = EagleProposer._maybe_share_lm_head
+    try:  # DFlash (0.20.0 and later): its proposer's own _maybe_share_lm_head
+        from vllm.v1.spec_decode.dflash import DFlashProposer
+    except ImportError:
+        DFlashProposer = None  # noqa: N806
+    shares = {"mtp": EagleProposer._maybe_share_lm_head,
+              "eagle_identical": EagleProposer._maybe_share_lm_head}
+    if DFlashProposer is not None:
+        # a DFlash drafter whose checkpoint has no lm_head (has_own_lm_head False): shares
+        shares["dflash_no_head"] = DFlashProposer._maybe_share_lm_head
     drafters = {}
-    for kind in ("mtp", "eagle_identical"):
+    for kind, share in shares.items():
         draft = CausalLM()
         load(draft, "model.embed_tokens.weight", w_embed)
         load(draft, "lm_head.weight", w_head)  # Qwen3.5 MTP loads its own copy of lm_head.weight
         if kind == "eagle_identical":
             draft.has_own_lm_head = True
+        elif kind == "dflash_no_head":
+            draft.has_own_lm_head = False
         process(draft)
         draft_dtype_before_share = str(draft.lm_head.weight.dtype)
-        share(types.SimpleNamespace(model=draft, use_local_argmax_reduction=False), target)
+        # the proposer attributes _maybe_share_lm_head reads (0.26.0 also reads
+        # vllm_config.speculative_config, for MTP index sharing: none here)
+        proposer = types.SimpleNamespace(model=draft, use_local_argmax_reduction=False,
+                                         vllm_config=types.SimpleNamespace(speculative_config=None))
+        share(proposer, target)
         with torch.inference_mode():
             draft_logits = draft.compute_logits(hidden)
         drafters[kind] = {

@@ -5,10 +5,10 @@
 #    A fresh install downloads about 11 GB (vllm pins torch 2.10.0) and takes about 5 minutes.
 #    The machine-wide pip constraint (/etc/xdg/pip/constraints.txt, torch<=2.14.1) is compatible.
 # 2. .cache/vllm-<V>-py for V in 0.20.0 and 0.26.0: the pure-Python part of each wheel, downloaded
-#    without dependencies (~245 MB wheel, ~40 MB extracted, compiled extensions left out). 0.20.0
-#    carries our hybrid patch's contract; 0.26.0 is the dflash variant (v0_26_dflash): the contract
-#    tests put it first on PYTHONPATH in a subprocess of .venv-vllm to ask its own `vllm serve`
-#    parser and SpeculativeConfig about the dflash arguments. A second full environment (torch 2.11, another ~11 GB and ~5 min)
+#    without dependencies (~245 MB wheel, ~40 MB extracted, compiled extensions left out). Both
+#    carry our patches' contracts (patches/vllm-<V>, INC hybrid and INT8 LM head); 0.26.0 is also the
+#    dflash variant (v0_26_dflash): the contract tests put it first on PYTHONPATH in a subprocess of
+#    .venv-vllm to ask its own `vllm serve` parser and SpeculativeConfig about the dflash arguments. A second full environment (torch 2.11, another ~11 GB and ~5 min)
 #    would buy nothing more: without a GPU only the parser and config classes can be exercised.
 #
 # Idempotent: when both exist it exits in about a second.

@@ -1,10 +1,12 @@
 """Our INC hybrid patches (patches/vllm-<version>/) against the real vLLM they are written for.
 
-Every test runs once per version (ids ``0.19.1`` and ``0.20.0``):
+Every test runs once per version (ids ``0.19.1``, ``0.20.0`` and ``0.26.0``):
 - 0.19.1: the vLLM installed in .venv-vllm.
-- 0.20.0: the pure-Python part of its wheel (.cache/vllm-0.20.0-py, fetched by
-  setup_vllm_env.sh), run by the same interpreter (torch 2.10) put first on sys.path, without
-  compiled extensions (vllm._C is absent; nothing here needs it). Skipped when it is missing.
+- 0.20.0, 0.26.0: the pure-Python part of its wheel (.cache/vllm-<version>-py, fetched by
+  setup_vllm_env.sh), run by the same interpreter (torch 2.10; 0.26.0 is built for a newer
+  torch, but the config, linear-layer and loader code used here imports and runs on 2.10) put
+  first on sys.path, without compiled extensions (vllm._C is absent; nothing here needs it).
+  Skipped when it is missing. 0.26.0's INC config lives in quantization/inc/inc.py.
 
 - The series applies to that version's pristine inc.py (git apply and patch -p1, as
   patches/README.md says).
@@ -43,8 +45,13 @@ ROOT = CONTRACT_DIR.parents[1]
 
 PATCH_NAME = "0001-inc-hybrid-fp8.patch"
 INC_REL = Path("vllm/model_executor/layers/quantization/inc.py")
+# 0.26.0 moved the INC config into a package: quantization/inc/inc.py
+INC_REL_BY_VERSION = {"0.26.0": Path("vllm/model_executor/layers/quantization/inc/inc.py")}
+# The method INC gives INT4 linear layers on CUDA: 0.26.0 wraps AutoGPTQLinearMethod (its GPTQ
+# Marlin method; 0.26.0 has no other GPTQ linear method) in its scheme wrapper.
+INT4_METHOD = {"0.26.0": "INCLinearMethod(AutoGPTQLinearMethod)"}
 SHARED = "language_model.model.layers.0.mlp.shared_expert"
-VERSIONS = ["0.19.1", "0.20.0"]
+VERSIONS = ["0.19.1", "0.20.0", "0.26.0"]
 LOG_LINE = "INC: hybrid checkpoint: found {n} FP8 layers (F8_E4M3, {b}x{b} block scales)"
 
 
@@ -59,6 +66,14 @@ class Target:
     @property
     def parent(self) -> Path:
         return self.package.parent
+
+    @property
+    def inc_rel(self) -> Path:
+        return INC_REL_BY_VERSION.get(self.version, INC_REL)
+
+    @property
+    def int4_method(self) -> str:
+        return INT4_METHOD.get(self.version, "GPTQMarlinLinearMethod")
 
     @property
     def patch_dir(self) -> Path:
@@ -88,7 +103,7 @@ def target(request, vllm_module) -> Target:
 
 @pytest.fixture(scope="session")
 def pristine_inc_digest(target):
-    path = target.parent / INC_REL
+    path = target.parent / target.inc_rel
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     yield digest
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, f"{path} was modified"
@@ -102,7 +117,7 @@ def series_patches(target: Target) -> list[Path]:
 
 def pristine_tree(target: Target, dest: Path) -> Path:
     """inc.py and every other existing file a patch of the series changes (later patches)."""
-    rels = {INC_REL}
+    rels = {target.inc_rel}
     for patch in series_patches(target):
         rels.update(Path(ln[len("--- a/"):].split("\t")[0]) for ln in patch.read_text().splitlines()
                     if ln.startswith("--- a/"))
@@ -208,7 +223,7 @@ def test_series_applies_to_pristine_inc_with_git(target, pristine_inc_digest, tm
         assert git("apply", str(patch), cwd=tree).returncode == 0
     # applied exactly: it reverses cleanly, and the file changed
     assert git("apply", "--check", "-R", str(target.patch), cwd=tree).returncode == 0
-    assert (tree / INC_REL).read_bytes() != (target.parent / INC_REL).read_bytes()
+    assert (tree / target.inc_rel).read_bytes() != (target.parent / target.inc_rel).read_bytes()
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
@@ -233,9 +248,9 @@ def test_other_versions_patches_do_not_apply(target, pristine_inc_digest, tmp_pa
 
 
 def test_patched_copy_is_used_and_pristine_file_untouched(patched_parent, target):
-    patched = (patched_parent / INC_REL).read_text()
+    patched = (patched_parent / target.inc_rel).read_text()
     assert "def maybe_update_config" in patched and "Fp8Config" in patched
-    assert "def maybe_update_config" not in (target.parent / INC_REL).read_text()
+    assert "def maybe_update_config" not in (target.parent / target.inc_rel).read_text()
 
 
 # --- what the real vLLM code does with it --------------------------------------------------------
@@ -251,8 +266,8 @@ def unpatched_result(probe_results):
 
 
 def test_probe_ran_the_intended_code(patched_result, unpatched_result, patched_parent, target):
-    assert Path(patched_result["inc_file"]).resolve() == (patched_parent / INC_REL).resolve()
-    assert Path(unpatched_result["inc_file"]).resolve() == (target.parent / INC_REL).resolve()
+    assert Path(patched_result["inc_file"]).resolve() == (patched_parent / target.inc_rel).resolve()
+    assert Path(unpatched_result["inc_file"]).resolve() == (target.parent / target.inc_rel).resolve()
     assert patched_result["vllm_version"] == unpatched_result["vllm_version"] == target.version
 
 
@@ -283,22 +298,22 @@ def test_patched_shared_expert_uses_block_fp8(patched_result, hybrid128):
     assert down["params"]["weight_scale_inv"] == ["torch.float32", down_scale]
 
 
-def test_patched_int4_layers_keep_gptq_marlin(patched_result):
+def test_patched_int4_layers_keep_gptq_marlin(patched_result, target):
     assert patched_result["int4_attention_fp8_route"] == "NoneType"
-    assert patched_result["int4_attention_method"] == "GPTQMarlinLinearMethod"
+    assert patched_result["int4_attention_method"] == target.int4_method
     assert patched_result["int4_expert_fp8_route"] == "NoneType"
-    assert patched_result["int4_expert_linear_method"] == "GPTQMarlinLinearMethod"
+    assert patched_result["int4_expert_linear_method"] == target.int4_method
     assert patched_result["shared_expert_gate_method"] == "UnquantizedLinearMethod"
 
 
-def test_unpatched_treats_fp8_shared_expert_as_unquantized(unpatched_result):
+def test_unpatched_treats_fp8_shared_expert_as_unquantized(unpatched_result, target):
     """The bug the patch fixes, shown by the same probe: proves the patched assertions can fail."""
     assert unpatched_result["fp8_layer_count"] == 0
     assert unpatched_result["shared_gate_up"]["method"] == "UnquantizedLinearMethod"
     assert unpatched_result["shared_gate_up"]["params"]["weight"][0] == "torch.bfloat16"
     assert "weight_scale_inv" not in unpatched_result["shared_gate_up"]["params"]
     assert unpatched_result["shared_down"]["method"] == "UnquantizedLinearMethod"
-    assert unpatched_result["int4_attention_method"] == "GPTQMarlinLinearMethod"
+    assert unpatched_result["int4_attention_method"] == target.int4_method
     assert "FP8 layers" not in unpatched_result["log"]
     # the loader would skip every block scale: no parameter of that name
     assert sorted(unpatched_result["shared_load"]["not_found"]) == sorted(
@@ -316,13 +331,13 @@ def test_patched_infers_other_block_sizes(patched_results, checkpoints, block):
     assert result["shared_down"]["params"]["weight_scale_inv"] == ["torch.float32", down_scale]
 
 
-def test_patched_leaves_plain_int4_checkpoints_alone(patched_results, checkpoints):
+def test_patched_leaves_plain_int4_checkpoints_alone(patched_results, checkpoints, target):
     assert checkpoints["plain"].fp8_layers == []
     result = patched_results["plain"]
     assert result["fp8_layer_count"] == 0
     assert result["fp8_block"] is None
     assert result["shared_gate_up"]["method"] == "UnquantizedLinearMethod"
-    assert result["int4_expert_linear_method"] == "GPTQMarlinLinearMethod"
+    assert result["int4_expert_linear_method"] == target.int4_method
 
 
 @pytest.mark.parametrize("name", ["hybrid128", "hybrid64", "hybrid32", "plain"])
@@ -338,7 +353,7 @@ def test_patched_loads_every_shared_expert_tensor(patched_results, checkpoints, 
 
 
 def test_patched_fp8_kernel_is_asked_for_block_quant(patched_result, target):
-    """0.20.0 chooses the FP8 GEMM kernel in create_weights: it is asked for 128x128 weight blocks
+    """0.20.0 and 0.26.0 choose the FP8 GEMM kernel in create_weights: it is asked for 128x128 weight blocks
     and 1x128 dynamic activation groups, for both shared-expert layers. (Which kernel: CUDA only.)"""
     if target.version == "0.19.1":
         pytest.skip("0.19.1 picks the block-FP8 GEMM (W8A8BlockFp8LinearOp) outside init_fp8_linear_kernel")

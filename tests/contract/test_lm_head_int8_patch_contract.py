@@ -1,7 +1,8 @@
 """Our INT8 LM head patch (patches/vllm-<version>/0002-int8-lm-head.patch) against the real vLLM.
 
-Every test runs once per version (ids ``0.19.1`` and ``0.20.0``; 0.20.0 is the pure-Python part
-of its wheel in .cache/vllm-0.20.0-py, as in test_inc_hybrid_patch_contract.py).
+Every test runs once per version (ids ``0.19.1``, ``0.20.0`` and ``0.26.0``; 0.20.0 and 0.26.0 are
+the pure-Python part of their wheels in .cache/vllm-<version>-py, as in
+test_inc_hybrid_patch_contract.py).
 
 - The patch applies (git apply and patch -p1) to the pristine files it touches, on top of 0001,
   and adds exactly patches/src/sparkllm_lm_head_int8.py.
@@ -39,7 +40,9 @@ pytestmark = pytest.mark.vllm_contract
 
 CONTRACT_DIR = Path(__file__).resolve().parent
 ROOT = CONTRACT_DIR.parents[1]
-VERSIONS = ["0.19.1", "0.20.0"]
+VERSIONS = ["0.19.1", "0.20.0", "0.26.0"]
+# versions with vLLM's DFlash proposer (the dflash build variant is 0.26.0)
+DFLASH_VERSIONS = {"0.20.0", "0.26.0"}
 PATCH_NAME = "0002-int8-lm-head.patch"
 UTILS_REL = Path("vllm/model_executor/model_loader/utils.py")
 NEW_REL = Path("vllm/model_executor/layers/sparkllm_lm_head_int8.py")
@@ -193,9 +196,10 @@ def test_enabled_head_is_int8_and_bf16_weight_is_gone(probes, config, kernel):
     assert head["bytes_before"] == 1024 * 384 * 2
     assert head["bytes_after"] == 1024 * 384 + 1024 * 4
     logs = LOG_RE.findall(probes[config]["log"])
-    # target, MTP drafter and EAGLE drafter each load and quantize their own copy; the tied head and
-    # the one with a NaN weight are left
-    assert len(logs) == 3 and {k for k, _, _ in logs} == {kernel}, probes[config]["log"][-3000:]
+    # target, MTP drafter, EAGLE drafter (and, where vLLM has DFlash, the DFlash drafter) each load
+    # and quantize their own copy; the tied head and the one with a NaN weight are left
+    expected = 1 + len(probes[config]["drafters"])
+    assert len(logs) == expected and {k for k, _, _ in logs} == {kernel}, probes[config]["log"][-3000:]
 
 
 @pytest.mark.parametrize("config", ["int8_torch", "int8_triton"])
@@ -222,10 +226,15 @@ def test_embeddings_are_never_quantized(probes, config):
 
 
 @pytest.mark.parametrize("config", ["int8_torch", "int8_triton"])
-def test_drafters_share_the_int8_head(probes, config):
+def test_drafters_share_the_int8_head(probes, config, lm_target):
     """vLLM's own _maybe_share_lm_head: the MTP drafter takes the target's (INT8) head module;
-    an EAGLE drafter whose own head is identical is recognised as identical after quantization."""
-    for kind in ("mtp", "eagle_identical"):
+    an EAGLE drafter whose own head is identical is recognised as identical after quantization;
+    where vLLM has DFlash, a DFlash drafter without its own head (DFlashProposer's method) too."""
+    kinds = ["mtp", "eagle_identical"]
+    if lm_target.version in DFLASH_VERSIONS:
+        kinds.append("dflash_no_head")
+    assert sorted(probes[config]["drafters"]) == sorted(kinds)
+    for kind in kinds:
         d = probes[config]["drafters"][kind]
         assert d == {"own_head_dtype_before_share": "torch.int8", "shares_target_head": True,
                      "logits_equal_target": True}, (kind, d)

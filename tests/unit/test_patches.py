@@ -70,7 +70,9 @@ def parse_unified_diff(text: str) -> list[dict]:
     return files
 
 
-INC_VERSIONS = ["0.19.1", "0.20.0"]
+INC_VERSIONS = ["0.19.1", "0.20.0", "0.26.0"]
+# 0.26.0 moved the INC config into a package (quantization/inc/inc.py)
+INC_FILE = {"0.26.0": "b/vllm/model_executor/layers/quantization/inc/inc.py"}
 LOG_FORMAT = '"INC: hybrid checkpoint: found %d FP8 layers (F8_E4M3, %dx%d block "'
 
 
@@ -115,7 +117,8 @@ def test_inc_patch_targets_inc_py_and_says_what_it_does(version):
     patch = PATCHES / f"vllm-{version}" / "0001-inc-hybrid-fp8.patch"
     text = patch.read_text()
     files = parse_unified_diff(text)
-    assert [f["new"] for f in files] == ["b/vllm/model_executor/layers/quantization/inc.py"]
+    assert [f["new"] for f in files] == [
+        INC_FILE.get(version, "b/vllm/model_executor/layers/quantization/inc.py")]
     header = text.split("diff --git", 1)[0]
     assert "Subject:" in header and "FP8" in header
     added = "\n".join(ln for ln in text.splitlines() if ln.startswith("+"))
@@ -126,9 +129,10 @@ def test_inc_patch_targets_inc_py_and_says_what_it_does(version):
     assert LOG_FORMAT in added
 
 
-def test_inc_patch_0_20_0_takes_the_hf_config_keyword():
-    """vLLM 0.20.0 calls quant_config.maybe_update_config(model, hf_config=...)."""
-    added = "\n".join(ln for ln in (PATCHES / "vllm-0.20.0" / "0001-inc-hybrid-fp8.patch")
+@pytest.mark.parametrize("version", ["0.20.0", "0.26.0"])
+def test_inc_patch_takes_the_hf_config_keyword(version):
+    """vLLM 0.20.0 and 0.26.0 call quant_config.maybe_update_config(model, hf_config=...)."""
+    added = "\n".join(ln for ln in (PATCHES / f"vllm-{version}" / "0001-inc-hybrid-fp8.patch")
                       .read_text().splitlines() if ln.startswith("+"))
     assert 'hf_config: "PretrainedConfig | None" = None' in added
 

@@ -225,6 +225,20 @@ def test_vllm_lm_head_int8_reaches_the_container_only_when_true(tmp_path: Path, 
             "vllm_lm_head_int8", "")
 
 
+@pytest.mark.parametrize("method", sorted(catalogue()))
+def test_method_server_env_reaches_only_that_methods_container(tmp_path: Path, method: str) -> None:
+    """dflash (vLLM 0.26.0, mixed sliding-window drafter) runs with VLLM_USE_V2_MODEL_RUNNER=1 in the
+    container's environment, from its catalogue entry's server_env; no other method gets it."""
+    ctx = serve_ctx(tmp_path, method)
+    got = container_args(tmp_path, ctx)  # also writes <method>.env
+    tail = got[got.index("--entrypoint") + 2 :]
+    if method == "dflash":
+        assert tail == [*DOCKER_OPTS, "--env=VLLM_USE_V2_MODEL_RUNNER=1", IMAGE, "serve", *ARGV]
+    else:
+        assert tail == [*DOCKER_OPTS, IMAGE, "serve", *ARGV]
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in (tmp_path / f"{method}.env").read_text()
+
+
 def test_vllm_env_file_names_the_method_and_no_secret(tmp_path: Path) -> None:
     text = render("sparkllm-vllm.env.j2", **serve_ctx(tmp_path, "ngram"))
     assert "SPARKLLM_SERVE_METHOD=ngram\n" in text

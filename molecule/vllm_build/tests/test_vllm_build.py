@@ -220,12 +220,15 @@ def test_changed_patch_rebuilds_under_a_new_tag_and_back_without_rebuild(host):
 
 
 def test_variant_without_the_hybrid_patch_is_refused(host):
-    """dflash built from source (not pulled): vLLM 0.26.0 has no patches/vllm-0.26.0 series, so the
-    build refuses before building anything and says why."""
+    """dflash built from source (not pulled) with its variant pointed at a vLLM version that has no
+    patches/vllm-<version> series (0.99.0, made up): the build refuses before building anything and
+    says why. (The real v0_26_dflash has patches/vllm-0.26.0 with the hybrid patch.)"""
     fact_before = host.file(FACT).content_string
-    res = _build({"spec_method": "dflash", "vllm_build_images": {}})
+    res = _build({"spec_method": "dflash", "vllm_build_images": {},
+                  "vllm_build_variant_overrides": {"v0_26_dflash": {"ref": "v0.99.0", "version": "0.99.0"}}})
     assert res.rc != 0
-    assert "v0_26_dflash (vLLM 0.26.0, for dflash) has no hybrid INT4+FP8 loading patch" in _flat(res.output)
+    assert "v0_26_dflash (vLLM 0.99.0, for dflash) has no hybrid INT4+FP8 loading patch" in _flat(res.output)
+    assert "there is no " in _flat(res.output) and "vllm-0.99.0/series" in _flat(res.output)
     assert "would load its FP8 shared experts as INT4" in _flat(res.output)
     assert "TASK [vllm_build : Build" not in res.output
     assert host.file(FACT).content_string == fact_before
