@@ -32,11 +32,11 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hybrid_checkpoint import write_hybrid
+from vllm_targets import VERSIONS, VllmTarget, vllm_target
 
 pytestmark = pytest.mark.vllm_contract
 
@@ -51,21 +51,11 @@ INC_REL_BY_VERSION = {"0.26.0": Path("vllm/model_executor/layers/quantization/in
 # Marlin method; 0.26.0 has no other GPTQ linear method) in its scheme wrapper.
 INT4_METHOD = {"0.26.0": "INCLinearMethod(AutoGPTQLinearMethod)"}
 SHARED = "language_model.model.layers.0.mlp.shared_expert"
-VERSIONS = ["0.19.1", "0.20.0", "0.26.0"]
 LOG_LINE = "INC: hybrid checkpoint: found {n} FP8 layers (F8_E4M3, {b}x{b} block scales)"
 
 
-@dataclass(frozen=True)
-class Target:
-    """One vLLM version: where its pristine package is, and which patch dir belongs to it."""
-
-    version: str
-    package: Path  # the pristine `vllm` package directory
-    installed: bool  # True: the one .venv-vllm imports by default
-
-    @property
-    def parent(self) -> Path:
-        return self.package.parent
+class Target(VllmTarget):
+    """One vLLM version, with where its INC code and INT4 method are."""
 
     @property
     def inc_rel(self) -> Path:
@@ -76,29 +66,13 @@ class Target:
         return INT4_METHOD.get(self.version, "GPTQMarlinLinearMethod")
 
     @property
-    def patch_dir(self) -> Path:
-        return ROOT / "patches" / f"vllm-{self.version}"
-
-    @property
     def patch(self) -> Path:
         return self.patch_dir / PATCH_NAME
-
-    @property
-    def probe_parent(self) -> Path | None:
-        """--vllm-parent for the unpatched run (None: the installed package)."""
-        return None if self.installed else self.parent
 
 
 @pytest.fixture(scope="session", params=VERSIONS)
 def target(request, vllm_module) -> Target:
-    version = request.param
-    if version == vllm_module.__version__:
-        return Target(version, Path(vllm_module.__file__).resolve().parent, installed=True)
-    overlay = ROOT / ".cache" / f"vllm-{version}-py"
-    if not (overlay / ".complete").exists():
-        pytest.skip(f"{overlay} is missing: run tests/contract/setup_vllm_env.sh (it extracts the "
-                    f"pure-Python part of the vLLM {version} wheel)")
-    return Target(version, (overlay / "vllm").resolve(), installed=False)
+    return vllm_target(request.param, vllm_module, Target)
 
 
 @pytest.fixture(scope="session")

@@ -31,16 +31,15 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from vllm_targets import VERSIONS, VllmTarget, vllm_target
 
 pytestmark = pytest.mark.vllm_contract
 
 CONTRACT_DIR = Path(__file__).resolve().parent
 ROOT = CONTRACT_DIR.parents[1]
-VERSIONS = ["0.19.1", "0.20.0", "0.26.0"]
 # versions with vLLM's DFlash proposer (the dflash build variant is 0.26.0)
 DFLASH_VERSIONS = {"0.20.0", "0.26.0"}
 PATCH_NAME = "0002-int8-lm-head.patch"
@@ -54,29 +53,12 @@ MAX_REL_ERR = 0.02
 MIN_ARGMAX_AGREE = 60  # of 64
 
 
-@dataclass(frozen=True)
-class Target:
-    version: str
-    package: Path
-    installed: bool
-
-    @property
-    def patch_dir(self) -> Path:
-        return ROOT / "patches" / f"vllm-{self.version}"
-
-
 @pytest.fixture(scope="session", params=VERSIONS)
-def lm_target(request, vllm_module) -> Target:
-    version = request.param
-    if version == vllm_module.__version__:
-        return Target(version, Path(vllm_module.__file__).resolve().parent, installed=True)
-    overlay = ROOT / ".cache" / f"vllm-{version}-py"
-    if not (overlay / ".complete").exists():
-        pytest.skip(f"{overlay} is missing: run tests/contract/setup_vllm_env.sh")
-    return Target(version, (overlay / "vllm").resolve(), installed=False)
+def lm_target(request, vllm_module) -> VllmTarget:
+    return vllm_target(request.param, vllm_module)
 
 
-def series(target: Target) -> list[Path]:
+def series(target: VllmTarget) -> list[Path]:
     names = [ln.strip() for ln in (target.patch_dir / "series").read_text().splitlines()
              if ln.strip() and not ln.lstrip().startswith("#")]
     return [target.patch_dir / n for n in names]
