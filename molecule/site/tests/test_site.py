@@ -68,15 +68,27 @@ def test_mtp_is_the_one_server_running(host):
 
 
 def test_rerun_is_cheap_and_prints_the_figure(host):
-    """Converge and the idempotence rerun were timed by converge.yml; print both and their ratio."""
+    """Converge and the idempotence rerun were timed by converge.yml and their tasks counted by the
+    sparkllm_task_count callback; print both, their ratio and the tasks the rerun executed on the host."""
     times = [json.loads(x) for x in (ROOT / "timings.jsonl").read_text().splitlines() if x.strip()]
+    counts = [c for c in (json.loads(x) for x in (ROOT / "tasks.jsonl").read_text().splitlines() if x.strip())
+              if c["playbook"] == "converge.yml" and not c["check"]]
     assert len(times) >= 2
     first, rerun = times[0]["seconds"], times[1]["seconds"]
+    # one line per converge: the first, then molecule's idempotence rerun
+    assert len(counts) >= 2, counts
+    rerun_tasks = counts[1]["hosts"]["spark-site"]
+    tasks = rerun_tasks["executed"]
     ratio = rerun / first
-    print(f"\nRERUN FIGURE: first converge {first:.1f} s, no-op rerun {rerun:.1f} s, ratio {ratio:.2f}")
+    print(f"\nRERUN FIGURE: first converge {first:.1f} s, no-op rerun {rerun:.1f} s, ratio {ratio:.2f}, "
+          f"tasks {tasks}")
+    print(f"no-op rerun tasks on the host: {rerun_tasks['names']}")
     (RESULTS.parent / "demo-rerun.json").write_text(json.dumps(
-        {"first_converge_s": first, "noop_rerun_s": rerun, "ratio": round(rerun / first, 3)}))
+        {"first_converge_s": first, "noop_rerun_s": rerun, "ratio": round(rerun / first, 3), "tasks": tasks}))
     assert rerun < first
+    assert tasks <= 25, rerun_tasks["names"]
+    # the first converge did the work: far more tasks than the rerun
+    assert counts[0]["hosts"]["spark-site"]["executed"] > 4 * max(tasks, 1)
 
 
 @fresh
