@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import urllib.request
 from pathlib import Path
@@ -98,6 +99,30 @@ def test_bench_result_reached_the_controller(host):
     assert runs[0]["valid"], runs[0]["problems"]
     assert runs[0]["spec"]["per_position"] and runs[0]["spec"]["per_position"][0] > 0
     assert (RESULTS / "report" / "report.md").is_file()
+
+
+@fresh
+def test_check_mode_on_the_converged_host_ends_every_stage_and_changes_nothing(host):
+    """`make check` on a converged host: every stage ends at its gate (the same fingerprints)."""
+    res = run_playbook("site.yml", {"spec_method": "mtp"}, extra_args=["--check"])
+    assert res.rc == 0, res.output[-4000:]
+    assert re.search(r"spark-site\s*:\s*ok=\d+\s+changed=0\s", res.output), res.output[-2000:]
+    words = " ".join(res.output.split())  # the YAML callback may wrap a long message
+    for stage in ("preflight", "build", "model", "serve", "bench"):
+        assert f"{stage} stage ends here" in words, stage
+
+
+@fresh
+def test_a_stopped_server_is_noticed_by_the_probe_and_started_again(host):
+    """The shortcut trusts recorded outputs only while they are still there: a stopped unit reruns serve."""
+    assert host.run("systemctl stop sparkllm-vllm-mtp.service").rc == 0
+    res = run_playbook("site.yml", {"spec_method": "mtp"})
+    assert res.rc == 0, res.output[-4000:]
+    words = " ".join(res.output.split())  # the YAML callback may wrap a long message
+    assert "serve stage runs: its outputs changed: unit sparkllm-vllm-mtp.service" in words
+    assert "model stage ends here" in words
+    assert _active_units(host) == {"sparkllm-vllm-mtp.service"}
+    assert _models() == ["qwen3.5-122b"]
 
 
 @fresh
