@@ -162,9 +162,21 @@ def test_no_staging_or_old_directories_are_left(host):
     assert not host.run(f"ls -d {MODEL}.staging.tmp-* 2>/dev/null").stdout.strip()
 
 
-def test_rerun_runs_no_tool_and_touches_nothing(host):
+def test_rerun_ends_at_the_stage_gate_and_touches_nothing(host):
+    """issue 14: unchanged inputs and checkpoint directories end the stage before its roles run."""
     before = _snapshot(host)
     res = run_playbook("playbooks/model.yml")
+    assert res.rc == 0, res.output[-3000:]
+    assert _recap_changed(res.output) == 0
+    assert "model stage ends here" in _flat(res.output)
+    assert "TASK [model_fetch :" not in res.output and "TASK [model_hybrid :" not in res.output
+    assert _snapshot(host) == before
+
+
+def test_forced_rerun_runs_no_tool_and_touches_nothing(host):
+    """Past the gate the roles' own records still skip every tool."""
+    before = _snapshot(host)
+    res = run_playbook("playbooks/model.yml", {"spark_stage_force": True})
     assert res.rc == 0, res.output[-3000:]
     assert _recap_changed(res.output) == 0
     assert "TASK [model_fetch : Start fetching" not in res.output

@@ -129,6 +129,13 @@ def test_unchanged_rerun_does_not_rebuild(host):
     tags_before = _our_tags(host)
     res = _build()
     assert res.rc == 0, res.output[-3000:]
+    assert "build stage ends here" in _flat(res.output)  # issue 14: the stage gate
+    assert "Build in the background" not in res.output
+    assert re.search(r"spark-vllm-build\s*:.*changed=0", res.output)
+    assert host.file(LOG).mtime == before
+    # past the gate, the role's own input hash finds the image: no build either
+    res = _build({"spark_stage_force": True})
+    assert res.rc == 0, res.output[-3000:]
     assert "not rebuilding" in res.output
     assert "Build in the background" not in res.output
     assert re.search(r"spark-vllm-build\s*:.*changed=0", res.output)
@@ -256,7 +263,8 @@ def test_old_images_of_ours_are_pruned_and_nothing_else(host):
     _labelled_image(host, foreign, {"sparkllm.input_hash": "foreign"})
     _labelled_image(host, unlabelled, {"sparkllm.test": "unlabelled"})
     try:
-        res = _build()
+        # pruning runs whenever the build stage runs; its gate does not watch images it did not build
+        res = _build({"spark_stage_force": True})
         assert res.rc == 0, res.output[-3000:]
         assert host.run("docker image inspect %s", stale).rc != 0, "the stale image of ours was kept"
         assert host.run("docker image inspect %s", current).rc == 0, "the current image was removed"
