@@ -64,8 +64,8 @@ def test_a_changed_input_runs_the_stage():
     gate = spark_stage_gate("serve", {"spec_method": "ngram"}, _probe("serve", fp))
     assert gate["current"] is False and "inputs changed" in gate["reason"]
     # a variable the stage does not read changes nothing
-    gate = spark_stage_gate("serve", {"spec_method": "mtp", "model_fetch_source": "mirror"}, _probe("serve", fp))
-    assert gate["current"] is True
+    other = {"spec_method": "mtp", "model_fetch_source": "mirror"}
+    assert spark_stage_gate("serve", other, _probe("serve", fp))["current"] is True
 
 
 def test_drifted_outputs_run_the_stage_and_say_what_drifted():
@@ -87,7 +87,8 @@ def test_force_runs_the_stage():
 
 def test_a_new_upstream_record_runs_the_stages_after_it():
     hv = {"spec_method": "mtp"}
-    upstream = {"model": {"fingerprint": "m1", "observed": "o1"}, "build": {"fingerprint": "b1", "observed": "o1"}}
+    upstream = {"model": {"fingerprint": "m1", "observed": "o1"},
+                "build": {"fingerprint": "b1", "observed": "o1"}}
     fp = spark_stage_gate("serve", hv, {"salt": "s", "stages": upstream})["fingerprint"]
     probe = _probe("serve", fp, **upstream)
     assert spark_stage_gate("serve", hv, probe)["current"] is True
@@ -128,7 +129,8 @@ def test_an_unresolvable_value_is_a_stable_input():
 
 def test_a_changed_toolkit_file_changes_only_the_stages_that_run_it(tmp_path):
     root = tmp_path / "toolkit"
-    for d in ("roles", "playbooks", "filter_plugins", "group_vars", "library", "scripts", "templates", "patches"):
+    for d in ("roles", "playbooks", "filter_plugins", "group_vars", "library", "scripts", "templates",
+              "patches"):
         shutil.copytree(ROOT / d, root / d, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy(ROOT / "site.yml", root / "site.yml")
@@ -180,7 +182,8 @@ def test_record_then_probe_matches_and_names_every_drift(tmp_path):
     outputs = {"dirs": [str(model)], "files": [str(env_file)], "images": ["vllm:ok"],
                "units": ["good.service"], "boot": True}
     rec = run_module(tmp_path, {"state": "record", "facts_dir": str(facts), "stage": "serve",
-                                "fingerprint": "f1", "salt": "salt1", "outputs": outputs}, path_prefix=bindir)
+                                "fingerprint": "f1", "salt": "salt1", "outputs": outputs},
+                     path_prefix=bindir)
     assert rec["changed"] is True and rec["entry"]["fingerprint"] == "f1"
     fact = facts / "spark_stage.fact"
     assert stat.S_IMODE(fact.stat().st_mode) == 0o600
@@ -193,7 +196,8 @@ def test_record_then_probe_matches_and_names_every_drift(tmp_path):
                                         "outputs_match": True, "drift": []}
     # recording the same again changes nothing (the idempotence of a full rerun)
     again = run_module(tmp_path, {"state": "record", "facts_dir": str(facts), "stage": "serve",
-                                  "fingerprint": "f1", "salt": "other", "outputs": outputs}, path_prefix=bindir)
+                                  "fingerprint": "f1", "salt": "other", "outputs": outputs},
+                       path_prefix=bindir)
     assert again["changed"] is False and again["salt"] == "salt1"
 
     # drift: a shard replaced, the env file edited, the image rebuilt, the unit stopped
@@ -204,7 +208,8 @@ def test_record_then_probe_matches_and_names_every_drift(tmp_path):
     probe = run_module(tmp_path, {"facts_dir": str(facts)}, path_prefix=bindir)
     drift = probe["stages"]["serve"]["drift"]
     assert probe["stages"]["serve"]["outputs_match"] is False
-    assert {d.split(":")[0] for d in drift} == {f"dir {model}", f"file {env_file}", "image vllm", "unit good.service"}
+    assert {d.split(":")[0] for d in drift} == {f"dir {model}", f"file {env_file}", "image vllm",
+                                                "unit good.service"}
     shutil.rmtree(model)
     probe = run_module(tmp_path, {"facts_dir": str(facts)}, path_prefix=bindir)
     assert f"dir {model}: missing" in probe["stages"]["serve"]["drift"]

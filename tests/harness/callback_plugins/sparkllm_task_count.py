@@ -27,7 +27,8 @@ requirements: [enabled in ANSIBLE_CALLBACKS_ENABLED]
 """
 
 CONTROLLER_ONLY = {
-    "set_fact", "debug", "assert", "fail", "meta", "validate_argument_spec", "include_tasks", "import_tasks", "include_role",
+    "set_fact", "debug", "assert", "fail", "meta", "validate_argument_spec", "include_tasks", "import_tasks",
+    "include_role",
     "import_role", "include_vars", "add_host", "group_by", "set_stats", "pause",
 }
 
