@@ -110,6 +110,9 @@ def test_check_mode_on_the_converged_host_ends_every_stage_and_changes_nothing(h
     words = " ".join(res.output.split())  # the YAML callback may wrap a long message
     for stage in ("preflight", "build", "model", "serve", "bench"):
         assert f"{stage} stage ends here" in words, stage
+    # no task of any stage role ran: the gates decided from the one probe
+    ran = re.findall(r"TASK \[(preflight|vllm_build|model_fetch|model_hybrid|serve|bench) :", res.output)
+    assert not ran, ran
 
 
 @fresh
