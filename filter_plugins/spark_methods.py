@@ -26,6 +26,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import re
 from collections.abc import Mapping
 
 SETTING_DEFAULTS: dict[str, object] = {
@@ -35,6 +36,8 @@ SETTING_DEFAULTS: dict[str, object] = {
     "spec_ngram_lookup_max": None,
     "spec_eagle3_drafter": "",
     "spec_dflash_drafter": "z-lab/Qwen3.5-122B-A10B-DFlash",
+    "spec_eagle3_drafter_revision": "",
+    "spec_dflash_drafter_revision": "",
     "vllm_gpu_memory_utilization": 0.85,
     "vllm_max_model_len": 262144,
     "vllm_host": "127.0.0.1",
@@ -64,6 +67,8 @@ SETTING_DEFAULTS: dict[str, object] = {
 }
 
 DISTRIBUTED_BACKENDS = (None, "ray", "mp")
+# A Hub revision: a commit SHA, a branch or a tag (no spaces, no "..", not starting with a dash).
+_REVISION_RE = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 
 # Options the toolkit renders itself, by the knob that sets them: vllm_serve_extra_args may not
 # repeat them (argparse would silently take the last one, and the unit, the health probe and the
@@ -221,6 +226,18 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
                               f"the container or a Hugging Face repo id)")
             elif not isinstance(value, str):
                 errors.append(f"{requirement}={value!r} must be a string (a model path or repo id)")
+        rev_knob = (entry.get("setting_overrides") or {}).get("revision")
+        if rev_knob:
+            rev = _get(settings, rev_knob)
+            drafter = (config or {}).get("model")
+            if rev is not None and not isinstance(rev, str):
+                errors.append(f"{rev_knob}={rev!r} must be a string (a commit SHA, branch or tag)")
+            elif rev and not _REVISION_RE.fullmatch(rev):
+                errors.append(f"{rev_knob}={rev!r} is not a Hub revision; set a commit SHA (40 hex digits), "
+                              f"a branch or a tag")
+            elif rev and isinstance(drafter, str) and drafter.startswith("/"):
+                errors.append(f"{rev_knob}={rev!r} applies to a Hub repo id, but the drafter is the path "
+                              f"{drafter!r}; clear {rev_knob} or name the drafter by its repo id")
         if config and config.get("method") == "ngram" and lookup_ok:
             lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
             if _is_int(lo) and _is_int(hi) and lo > hi:

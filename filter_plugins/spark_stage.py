@@ -14,7 +14,7 @@ Inputs of a stage:
     patches, group_vars, its playbook);
   * the recorded state of the stages it builds on (serve: build and model; bench: serve).
 
-Force knobs (``*_force``, ``model_fetch_update``) and ``spark_stage_force`` bypass the shortcut and
+Force knobs (``*_force``, ``*_update``) and ``spark_stage_force`` bypass the shortcut and
 are not inputs. Filters:
 
 - ``spark_stage_gate``: the decision (``current``, ``fingerprint``, ``reason``) for one stage.
@@ -54,7 +54,7 @@ STAGES: dict[str, Stage] = {
 SHARED_PATHS = ("filter_plugins", "library", "scripts", "templates", "patches", "group_vars",
                 "site.yml", "playbooks/validate.yml")
 # Knobs that ask for work regardless of the fingerprint; never part of it.
-FORCE_RE = re.compile(r"(_force|^model_fetch_update)$")
+FORCE_RE = re.compile(r"(_force|_update)$")
 SECRET_RE = re.compile(r"(^|_)(token|secret|password|api_key)$")
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 TOP_KEY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):", re.M)

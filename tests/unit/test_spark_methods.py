@@ -87,7 +87,8 @@ def test_plugin_defaults_match_main_yml(main_yml):
         assert type(SETTING_DEFAULTS[name]) is type(value), name
     required = {
         "spec_method", "spec_num_speculative_tokens", "spec_ngram_lookup_min", "spec_ngram_lookup_max",
-        "spec_eagle3_drafter", "spec_dflash_drafter", "vllm_gpu_memory_utilization", "vllm_max_model_len",
+        "spec_eagle3_drafter", "spec_dflash_drafter", "spec_eagle3_drafter_revision",
+        "spec_dflash_drafter_revision", "vllm_gpu_memory_utilization", "vllm_max_model_len",
         "vllm_host", "vllm_port", "vllm_served_model_name", "vllm_reasoning_parser", "vllm_api_key_file",
         "vllm_allow_unauthenticated_bind", "spark_model_dir", "spark_tensor_parallel_size",
         "spark_distributed_backend", "vllm_attention_backend", "vllm_serve_extra_args",

@@ -7,8 +7,10 @@ exercises the bind/API-key rules.
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
+import threading
 
 import pytest
 from playbook_runner import run_playbook
@@ -275,9 +277,56 @@ def test_non_loopback_bind_with_key_file(host):
     assert (fact["scheme"], fact["host"], fact["port"]) == ("http", "127.0.0.1", PORT)
 
 
-def test_dflash_alone_gets_the_hf_token_file(host):
+class _StubHub:
+    """The Hub's model-info endpoint, as huggingface_hub calls it, answering one commit per repo."""
+
+    def __init__(self) -> None:
+        self.sha = "a" * 40
+        self.requests: list[tuple[str, str]] = []
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                stub.requests.append((self.path, self.headers.get("Authorization", "")))
+                m = re.fullmatch(r"/api/models/(.+)/revision/([^/?]+)(\?.*)?", self.path)
+                if not m or m.group(1) != DRAFTER:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "RepoNotFound")
+                    self.end_headers()
+                    return
+                body = json.dumps({"id": DRAFTER, "modelId": DRAFTER, "sha": stub.sha,
+                                   "siblings": []}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+DRAFTER = "z-lab/Qwen3.5-122B-A10B-DFlash"
+
+
+@pytest.fixture(scope="module")
+def hub():
+    stub = _StubHub()
+    yield stub
+    stub.httpd.shutdown()
+
+
+def _spec(host, method: str) -> dict:
+    return json.loads(_option(_env_words(host, method, "SPARKLLM_SERVE_ARGS"), "--speculative-config"))
+
+
+def test_dflash_alone_gets_the_hf_token_file(host, hub):
     """The drafter download needs the token: dflash's container gets the 0600 file, never the value."""
-    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash"})
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url})
     assert res.rc == 0, res.output[-3000:]
     assert TOKEN not in res.output
     _assert_only_active(host, "dflash")
@@ -289,3 +338,38 @@ def test_dflash_alone_gets_the_hf_token_file(host):
     # here: the test host drives the CI machine's engine, which resolves bind sources on that machine.
     token_file = host.file(HF_TOKEN_FILE)
     assert token_file.is_file and token_file.mode == 0o600 and token_file.content_string.strip() == TOKEN
+
+
+def test_dflash_drafter_is_served_at_the_commit_locked_at_first_deploy(host, hub):
+    """issue 15: the drafter's branch was resolved once (above) to a commit, recorded, and passed to vLLM;
+    a moved branch changes nothing until an update is asked for."""
+    first = "a" * 40
+    assert _spec(host, "dflash")["revision"] == first
+    assert _fact(host)["drafter_revisions"] == {f"{DRAFTER}@main": first}
+    assert hub.requests and hub.requests[0][0].startswith(f"/api/models/{DRAFTER}/revision/main")
+    assert hub.requests[0][1] == f"Bearer {TOKEN}"  # the token reached the Hub, not the output
+    hub.sha, seen = "b" * 40, len(hub.requests)
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url,
+                                               "spark_stage_force": True})
+    assert res.rc == 0, res.output[-3000:]
+    assert len(hub.requests) == seen, "a locked drafter asked the Hub again"
+    assert _spec(host, "dflash")["revision"] == first
+    before = _inspect(host, "dflash")["Id"]
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url,
+                                               "serve_drafter_update": True})
+    assert res.rc == 0, res.output[-3000:]
+    assert _spec(host, "dflash")["revision"] == "b" * 40
+    assert _fact(host)["drafter_revisions"] == {f"{DRAFTER}@main": "b" * 40}
+    assert _inspect(host, "dflash")["Id"] != before, "the new drafter commit did not restart the server"
+    assert TOKEN not in res.output
+
+
+def test_an_unknown_drafter_repo_fails_naming_the_revision_knob(host, hub):
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url,
+                                               "spec_dflash_drafter": "z-lab/no-such-drafter"})
+    assert res.rc != 0
+    out = " ".join(res.output.split())
+    assert "could not resolve the Hub revision z-lab/no-such-drafter@main to a commit" in out
+    assert "spec_dflash_drafter_revision to a commit SHA" in out
+    assert TOKEN not in res.output
+    _assert_only_active(host, "dflash")  # nothing was touched: the running drafter keeps serving
