@@ -39,6 +39,7 @@ MAIN_OPTIONS = [
     ("load-format-fastsafetensors", {"vllm_load_format": "fastsafetensors"}),
     ("tokens-override", {"spec_num_speculative_tokens": 4, "spec_ngram_lookup_min": 1,
                          "spec_ngram_lookup_max": 3}),
+    ("drafter-revision", {"spec_dflash_drafter_revision": "b" * 40}),
     ("ray-tp2", {"spark_tensor_parallel_size": 2, "spark_distributed_backend": "ray"}),
     ("mp-head", {"spark_tensor_parallel_size": 2, "spark_distributed_backend": "mp", "spark_nnodes": 2,
                  "spark_node_rank": 0, "spark_master_addr": "192.168.100.10", "spark_master_port": 29501}),
@@ -287,6 +288,9 @@ def dflash_answers(vllm_module, catalogue, variants):
     requests.append({"speculative": spark_speculative_config(cases[0], catalogue)})
     requests.append({"argv": ["/model", "--no-such-flag"]})
     requests.append({"tool_call": tool_call_request(SETTING_DEFAULTS["vllm_tool_call_parser"])})
+    # last: the drafter pinned to a commit (issue 15), as the serve role renders it
+    requests.append({"speculative": spark_speculative_config(
+        settings(spec_method="dflash", spec_dflash_drafter_revision="b" * 40), catalogue)})
     answers = run_probe_020(variants, requests)
     return cases, answers
 
@@ -371,3 +375,20 @@ def test_hub_client_reads_the_token_from_hf_token_path(vllm_module, tmp_path, to
                           check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == ("hf_CONTRACTfake0123456789" if token_path else "None")
+
+
+def test_dflash_drafter_revision_is_a_field_the_dflash_variant_accepts(dflash_answers):
+    _, answers = dflash_answers
+    report = answers[-1]
+    assert report["field_errors"] == {}, report
+    assert not report["stage_error"].startswith("ValidationError"), report["stage_error"]
+
+
+def test_eagle3_drafter_revision_is_accepted_by_0_19_1(vllm_module, catalogue):
+    spec = spark_speculative_config(settings(spec_method="eagle3", spec_eagle3_drafter="org/eagle3-drafter",
+                                             spec_eagle3_drafter_revision="a" * 40), catalogue)
+    assert spec["revision"] == "a" * 40
+    report = vllm_probe.check_speculative(spec)
+    assert report["field_errors"] == {}
+    # a misspelt field name is caught by the same check
+    assert "revisoin" in vllm_probe.check_speculative(dict(spec, revisoin="x"))["field_errors"]
