@@ -56,6 +56,10 @@ SHARED_PATHS = ("filter_plugins", "library", "scripts", "templates", "patches", 
 # Knobs that ask for work regardless of the fingerprint; never part of it.
 FORCE_RE = re.compile(r"(_force|_update)$")
 SECRET_RE = re.compile(r"(^|_)(token|secret|password|api_key)$")
+# Inputs naming a file or directory on the controller that the stage renders or applies.
+CONTROLLER_FILE_RE = re.compile(r"(_template|_patches_root)$")
+# Names a template may mention that are never inputs: facts and Ansible's own variables.
+NOT_INPUT_RE = re.compile(r"^(ansible_|inventory_|group_names$|groups$|hostvars$|play_hosts$|omit$)")
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 TOP_KEY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):", re.M)
 
@@ -145,6 +149,32 @@ def input_values(stage: str, hostvars: Mapping[str, Any], salt: str, root: Path 
         if SECRET_RE.search(name) and value not in ("", None):
             value = "hmac:" + hmac.new(salt.encode(), json.dumps(value).encode(), hashlib.sha256).hexdigest()
         out[name] = value
+    # A template or patch directory the user points the stage at (outside the toolkit's own files):
+    # its content is an input, and so is every variable a template mentions (a custom template may
+    # read knobs no role declares).
+    for name in list(out):
+        if not CONTROLLER_FILE_RE.search(name) or not isinstance(out[name], str) or not out[name]:
+            continue
+        path = Path(out[name])
+        files = _files(path)
+        if not files:
+            continue
+        h = hashlib.sha256()
+        words: set[str] = set()
+        for f in files:
+            rel = f.relative_to(path).as_posix() if path.is_dir() else f.name
+            h.update(f"{rel}\0{_file_digest(f)}\n".encode())
+            if f.suffix == ".j2":
+                words.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*",
+                                        f.read_text(encoding="utf-8", errors="replace")))
+        out[f"<content of {name}>"] = h.hexdigest()
+        for word in sorted(words - set(out)):
+            if (word in hostvars and not word.startswith("_") and not SECRET_RE.search(word)
+                    and not NOT_INPUT_RE.search(word)):
+                try:
+                    out[word] = _plain(hostvars[word])
+                except Exception as exc:  # noqa: BLE001
+                    out[word] = f"<unresolved: {type(exc).__name__}>"
     return out
 
 

@@ -235,3 +235,20 @@ def test_unknown_output_kind_and_missing_fingerprint_are_refused(tmp_path):
     bad = run_module(tmp_path, {"state": "record", "facts_dir": str(tmp_path), "stage": "x"})
     assert bad["failed"] and "fingerprint" in bad["msg"]
     assert not (tmp_path / "spark_stage.fact").exists()
+
+
+def test_a_custom_template_is_an_input_with_the_knobs_it_reads(tmp_path):
+    """A Dockerfile template outside the toolkit: its content and the variables it mentions are inputs,
+    facts are not (they change on every run)."""
+    tpl = tmp_path / "Dockerfile.j2"
+    tpl.write_text("FROM x\nRUN echo {{ my_test_knob | default('a') }} {{ ansible_date_time }}\n")
+    hv = {"vllm_build_dockerfile_template": str(tpl), "ansible_date_time": {"epoch": "1"}}
+    fp = spark_stage_gate("build", hv, {"salt": "s"})["fingerprint"]
+    probe = _probe("build", fp)
+    assert spark_stage_gate("build", dict(hv, ansible_date_time={"epoch": "2"}), probe)["current"] is True
+    gate = spark_stage_gate("build", dict(hv, my_test_knob="b"), probe)
+    assert gate["current"] is False and "inputs changed" in gate["reason"]
+    tpl.write_text(tpl.read_text() + "RUN true\n")
+    assert spark_stage_gate("build", hv, probe)["current"] is False
+    values = st.input_values("build", hv, "s")
+    assert "<content of vllm_build_dockerfile_template>" in values and "ansible_date_time" not in values
