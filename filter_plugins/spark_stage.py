@@ -134,6 +134,14 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def _resolved(hostvars: Mapping[str, Any], name: str) -> Any:
+    """The templated value of ``name``; one that cannot be resolved yet is a marker, the same every run."""
+    try:
+        return _plain(hostvars[name])
+    except Exception as exc:  # noqa: BLE001 - an unresolvable value is still a stable input
+        return f"<unresolved: {type(exc).__name__}>"
+
+
 def input_values(stage: str, hostvars: Mapping[str, Any], salt: str, root: Path = ROOT) -> dict[str, Any]:
     """The value in effect of each input the inventory or ``-e`` sets (role defaults that are not
     overridden are covered by the files digest). A value that cannot be resolved yet enters as a
@@ -142,10 +150,7 @@ def input_values(stage: str, hostvars: Mapping[str, Any], salt: str, root: Path 
     for name in input_names(stage, root):
         if name not in hostvars:
             continue
-        try:
-            value = _plain(hostvars[name])
-        except Exception as exc:  # noqa: BLE001 - an unresolvable value is still a stable input
-            value = f"<unresolved: {type(exc).__name__}>"
+        value = _resolved(hostvars, name)
         if SECRET_RE.search(name) and value not in ("", None):
             value = "hmac:" + hmac.new(salt.encode(), json.dumps(value).encode(), hashlib.sha256).hexdigest()
         out[name] = value
@@ -171,10 +176,7 @@ def input_values(stage: str, hostvars: Mapping[str, Any], salt: str, root: Path 
         for word in sorted(words - set(out)):
             if (word in hostvars and not word.startswith("_") and not SECRET_RE.search(word)
                     and not NOT_INPUT_RE.search(word)):
-                try:
-                    out[word] = _plain(hostvars[word])
-                except Exception as exc:  # noqa: BLE001
-                    out[word] = f"<unresolved: {type(exc).__name__}>"
+                out[word] = _resolved(hostvars, word)
     return out
 
 
