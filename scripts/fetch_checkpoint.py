@@ -23,8 +23,7 @@ Subcommands:
 
 Every mode checks free disk space before transferring (needed bytes + 1 GiB/2 % margin).
 Token: --token-file F or the HF_TOKEN environment variable; it is sent only as an Authorization
-header and never printed or written. --remove-token-file deletes F as soon as it was read (for a fetch
-started in the background: the file lives only until the tool holds the token). Endpoint: --endpoint, else HF_ENDPOINT, else
+header and never printed or written. Endpoint: --endpoint, else HF_ENDPOINT, else
 https://huggingface.co. A finished destination is recorded in DIR/.sparkllm_source.json; reruns
 skip files that are already complete and verified. Each file is recorded as verified the moment it
 is (hub/full: "verified" in .sparkllm_source.json; mirror: .sparkllm_mirror.json), with its size and
@@ -74,7 +73,7 @@ from sparkllm.checkpoint import (
     scale_name,
 )
 from sparkllm.cli import HelpFormatter
-from sparkllm.fileio import atomic_write, fsync_dir, sha256_file, write_json_atomic
+from sparkllm.fileio import Throttle, atomic_write, fsync_dir, sha256_file, write_json_atomic
 from sparkllm.outdir import OutputRefused, check_output_dir, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
@@ -583,27 +582,6 @@ def hub_fetch(
 # ------------------------------------------------------------------ mirror
 
 
-class Throttle:
-    """Caps a stream at ``rate`` bytes per second over its whole life (0: no cap)."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = max(0.0, rate)
-        self.start = time.monotonic()
-        self.bytes = 0
-
-    @property
-    def block(self) -> int:
-        # small blocks under a low cap, so the flow is steady rather than bursts of 4 MiB
-        return CHUNK * 4 if not self.rate else int(min(CHUNK * 4, max(4096, self.rate / 8)))
-
-    def account(self, n: int) -> None:
-        self.bytes += n
-        if self.rate:
-            ahead = self.bytes / self.rate - (time.monotonic() - self.start)
-            if ahead > 0:
-                time.sleep(ahead)
-
-
 def verified_files(dest: Path) -> dict[str, int]:
     """Files of ``dest`` this tool has verified and that are still as verified (size and mtime):
     name -> size. Read while a fetch runs, it lists the files that are complete already."""
@@ -720,10 +698,6 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--endpoint", help="Hub endpoint (default: $HF_ENDPOINT, else https://huggingface.co)"
         )
-        sp.add_argument(
-            "--remove-token-file", action="store_true",
-            help="delete --token-file as soon as the token was read (a fetch started in the background)",
-        )
 
     for name, helptext in (
         ("hub", "download repo files via huggingface_hub"),
@@ -781,7 +755,9 @@ def run(a: argparse.Namespace) -> dict[str, object]:
         return write_manifest(a.dir, not a.no_sha256)
     if a.cmd == "mirror":
         if a.max_rate < 0:
-            raise UsageError(f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive bytes-per-second rate")
+            raise UsageError(
+                f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive bytes-per-second rate"
+            )
         return mirror_fetch(a.src, a.dest, a.max_rate)
     # refuse a destination that is not ours before any network traffic
     if a.cmd == "fp8-extract":
@@ -796,11 +772,7 @@ def run(a: argparse.Namespace) -> dict[str, object]:
         check_output_dir(out_dir, TOOL, flag=flag, legacy=LEGACY_MARKS)
     except OutputRefused as exc:
         raise UsageError(str(exc)) from None
-    try:
-        token = read_token(a.token_file)
-    finally:
-        if a.remove_token_file and a.token_file is not None:
-            a.token_file.unlink(missing_ok=True)
+    token = read_token(a.token_file)
     endpoint = endpoint_of(a.endpoint)
     if a.cmd == "fp8-extract":
         remote = Remote(endpoint, a.repo, a.revision, token, retries=max(0, a.retries),

@@ -64,8 +64,8 @@ from sparkllm.checkpoint import (
     TensorSource,
     dir_fingerprint,
     fingerprint_digest,
-    plan_index,
     plan_extra_shard,
+    plan_index,
     plan_merge,
     plan_shard,
     read_source_record,
@@ -234,7 +234,8 @@ def part_identity(shard: OutShard) -> str:
             st = os.stat(t.src)
             sources[real[t.src]] = [st.st_size, st.st_mtime_ns]
     layout = [[t.name, t.dtype, list(t.shape), real[t.src], t.offset, t.length] for t in shard.tensors]
-    return fingerprint_digest({"format": PART_FORMAT, "shard": shard.name, "tensors": layout, "sources": sources})
+    doc = {"format": PART_FORMAT, "shard": shard.name, "tensors": layout, "sources": sources}
+    return fingerprint_digest(doc)
 
 
 class PartStore:
@@ -278,7 +279,8 @@ class PartStore:
         if not isinstance(entry, dict) or entry.get("input") != (identity or part_identity(shard)):
             return False
         try:
-            return path.stat().st_size == entry.get("size") and header_digest(path) == entry.get("header_sha256")
+            same_size = path.stat().st_size == entry.get("size")
+            return same_size and header_digest(path) == entry.get("header_sha256")
         except (OSError, SafetensorsError):
             return False
 
@@ -389,7 +391,13 @@ def fsync_tree(root: Path) -> None:
 
 
 def execute(
-    plan: MergePlan, int4: Path, fp8: Path, out: Path, digest: str, timings: dict[str, float], parts: PartStore
+    plan: MergePlan,
+    int4: Path,
+    fp8: Path,
+    out: Path,
+    digest: str,
+    timings: dict[str, float],
+    parts: PartStore,
 ) -> None:
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,10 +4,12 @@
 usage: model_job.py --spec FILE --status FILE [--log FILE]
 
 SPEC (JSON, written by the model_fetch role):
-  {"fetches": [{"key": "fp8", "argv": [...]}, {"key": "int4", "argv": [...]}],
-   "int4_dir": DIR, "fp8_dir": DIR, "merge_out": DIR}
+  {"fetches": [{"key": "fp8", "argv": [...], "token": true}, {"key": "int4", "argv": [...]}],
+   "int4_dir": DIR, "fp8_dir": DIR, "merge_out": DIR, "token_file": FILE}
   Each argv is a complete fetch_checkpoint.py command line. merge_out is hybrid_merge.py's --out
   (the model stage's staging directory); the shards go to its <merge_out>.parts.
+  token_file (optional): a 0600 file holding the Hub token. The job reads it, deletes it at once and
+  hands the token to the fetches marked "token" in their environment (HF_TOKEN), never in argv.
 
 The fetches run side by side as child processes (the FP8 extract is small and lands first, the INT4
 download is the long one), their progress in the log. As soon as the FP8 checkpoint is complete (its
@@ -65,6 +67,7 @@ class SpecError(Exception):
 class Fetch:
     key: str
     argv: list[str]
+    token: bool = False
     proc: subprocess.Popen[bytes] | None = None
     out: Path | None = None
     rc: int | None = None
@@ -80,6 +83,7 @@ class Job:
     merge_out: Path
     status_path: Path
     log: TextIO
+    hf_token: str | None = None
     started: float = field(default_factory=time.time)
     merged: dict[str, float] = field(default_factory=dict)  # shard -> time it was merged (or found merged)
     stopping: str = ""
@@ -114,6 +118,8 @@ def load_spec(path: Path) -> dict[str, Any]:
     for key in ("int4_dir", "fp8_dir", "merge_out"):
         if not isinstance(doc.get(key), str) or not doc[key]:
             raise SpecError(f"{path}: {key} must be a non-empty path")
+    if not isinstance(doc.get("token_file", ""), str):
+        raise SpecError(f"{path}: token_file must be a path")
     fetches = doc.get("fetches")
     if not isinstance(fetches, list) or not all(
         isinstance(f, dict) and f.get("key") in ("int4", "fp8") and isinstance(f.get("argv"), list)
@@ -128,8 +134,12 @@ def start_fetches(job: Job) -> None:
     # the small FP8 fetch first: every output shard needs its tensors
     for f in sorted(job.fetches, key=lambda f: f.key != "fp8"):
         f.out = job.status_path.with_name(f"{job.status_path.name}.{f.key}.out")
+        env = dict(os.environ)
+        env.pop("HF_TOKEN", None)
+        if f.token and job.hf_token:
+            env["HF_TOKEN"] = job.hf_token
         with open(f.out, "wb") as out:
-            f.proc = subprocess.Popen(f.argv, stdout=out, stderr=job.log, stdin=subprocess.DEVNULL)
+            f.proc = subprocess.Popen(f.argv, stdout=out, stderr=job.log, stdin=subprocess.DEVNULL, env=env)
         job.say(f"started the {f.key.upper()} fetch (pid {f.proc.pid})")
 
 
@@ -253,14 +263,26 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"model_job: error: {exc}", file=sys.stderr)
         return 2
+    token = None
+    if spec.get("token_file"):
+        token_file = Path(spec["token_file"])
+        try:
+            token = token_file.read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            print(f"model_job: error: {token_file}: cannot read the token file ({exc.strerror}); "
+                  "rerun the model stage, which writes it again", file=sys.stderr)
+            return 1
+        finally:
+            token_file.unlink(missing_ok=True)
     log: TextIO = open(a.log, "a", encoding="utf-8") if a.log else sys.stderr  # noqa: SIM115
     job = Job(
-        fetches=[Fetch(f["key"], list(f["argv"])) for f in spec["fetches"]],
+        fetches=[Fetch(f["key"], list(f["argv"]), bool(f.get("token"))) for f in spec["fetches"]],
         int4_dir=Path(spec["int4_dir"]),
         fp8_dir=Path(spec["fp8_dir"]),
         merge_out=Path(spec["merge_out"]),
         status_path=a.status,
         log=log,
+        hf_token=token,
     )
     try:
         doc = run(job)

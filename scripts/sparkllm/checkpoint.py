@@ -233,7 +233,8 @@ def plan_shard(header: Header, fp8: Mapping[str, TensorSource]) -> tuple[OutShar
 
 def plan_extra_shard(header: Header) -> OutShard:
     """The MTP extra file is carried over as it is (FP8 copies of mtp.* are never taken)."""
-    return OutShard(header.path.name, [_out(TensorSource(header, info), "mtp") for info in header.tensors.values()])
+    tensors = [_out(TensorSource(header, info), "mtp") for info in header.tensors.values()]
+    return OutShard(header.path.name, tensors)
 
 
 def plan_merge(int4_dir: Path, fp8_dir: Path, extra_file: str = EXTRA_FILE) -> MergePlan:
