@@ -18,9 +18,17 @@ recorded as verified is merged into <merge_out>.parts while the rest downloads; 
 later is merged within a second of its verification. The job ends when every fetch ended and every
 verified shard is merged: the model stage's hybrid_merge.py then only links the parts together.
 
+When the last shard is merged and the INT4 checkpoint holds its MTP extra file, the job assembles
+the hybrid in merge_out (hybrid_merge.py: the parts linked together, index, config, record; temp
+directory + rename) and verifies it (verify_checkpoint --expect-mtp --expect-hybrid): the verified
+hybrid is ready seconds after the last byte. The model stage then finds it current (its merge is a
+no-op), runs the MTP index patch, verifies, writes the manifest and moves it into place. An assembly
+that fails or does not verify is removed and left to the model stage, which reports the problem.
+
 The status file is rewritten (atomically) as the job goes: state (running, done, failed), pid, each
-fetch's exit status and result, the shards merged and when, the time the last fetch ended (its last
-byte) and the time the last shard was merged, and, on failure, the error.
+fetch's exit status and result, the shards merged and when, the time the last fetch ended, the time
+the last shard was merged, when the verified hybrid was ready in merge_out ("ready", null when it was
+not assembled, "assembly" says why) and, on failure, the error.
 
 A failed fetch stops the others (SIGTERM, SIGKILL after 10 s) and fails the job; so does a merge
 error, and SIGTERM or SIGINT to the job itself. What was verified or merged stays: a rerun resumes
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +55,8 @@ from typing import Any, TextIO
 from fetch_checkpoint import verified_files
 from hybrid_merge import UsageError as MergeUsageError
 from hybrid_merge import merge_landed_shard
-from sparkllm.checkpoint import CheckpointError, load_fp8_table
+from hybrid_merge import run as merge_run
+from sparkllm.checkpoint import EXTRA_FILE, CheckpointError, load_fp8_table, verify_checkpoint
 from sparkllm.cli import HelpFormatter
 from sparkllm.fileio import write_json_atomic
 from sparkllm.safetensors_io import SafetensorsError
@@ -87,6 +97,8 @@ class Job:
     started: float = field(default_factory=time.time)
     merged: dict[str, float] = field(default_factory=dict)  # shard -> time it was merged (or found merged)
     stopping: str = ""
+    ready: float | None = None  # when the verified hybrid was in merge_out
+    assembly: str = ""
 
     def say(self, msg: str) -> None:
         self.log.write(f"{time.strftime('%H:%M:%S')} model_job: {msg}\n")
@@ -102,6 +114,8 @@ class Job:
             "merged": self.merged,
             "last_byte": max(ends) if ends and all(f.rc == 0 for f in self.fetches) else None,
             "last_merge": max(self.merged.values()) if self.merged else None,
+            "ready": self.ready,
+            "assembly": self.assembly,
             "error": error,
         }
         write_json_atomic(self.status_path, doc)
@@ -238,9 +252,30 @@ def run(job: Job) -> dict[str, object]:
         job.say(f"failed: {msg}")
         job.status("failed", msg)
         raise JobError(msg) from None
+    assemble(job)
     doc = job.status("done")
-    job.say(f"done: {len(job.merged)} shard(s) merged")
+    job.say(f"done: {len(job.merged)} shard(s) merged; {job.assembly}")
     return doc
+
+
+def assemble(job: Job) -> None:
+    """Link the parts into the verified hybrid in merge_out, or leave it to the model stage."""
+    if not (job.int4_dir / EXTRA_FILE).is_file():
+        job.assembly = f"not assembled: {EXTRA_FILE} is missing (the model stage reports it)"
+        return
+    try:
+        result, _ = merge_run(job.int4_dir, job.fp8_dir, job.merge_out)
+        report = verify_checkpoint(job.merge_out, expect_mtp=True, expect_hybrid=True)
+    except (CheckpointError, SafetensorsError, MergeUsageError, OSError) as exc:
+        job.assembly = f"not assembled: {exc} (the model stage merges again and reports it)"
+        return
+    if not report.ok:
+        shutil.rmtree(job.merge_out, ignore_errors=True)
+        job.assembly = "not assembled: " + "; ".join(report.problems) + " (the model stage reports it)"
+        return
+    job.ready = time.time()
+    reused = result.timings.get("shards_reused", 0) if result else 0
+    job.assembly = f"verified hybrid ready in {job.merge_out} ({reused} merged shard(s) linked)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -293,7 +293,8 @@ def dir_fingerprint(directory: Path) -> dict[str, object]:
     """Cheap identity of a directory's files: names, sizes, mtimes, safetensors header digests."""
     files: dict[str, object] = {}
     for p in sorted(directory.iterdir()):
-        if not p.is_file() or p.name.startswith(".sparkllm_merge") or p.name == OWNER_MARKER:
+        # the manifest is written after a fetch (and after a merge that ran as the shards landed)
+        if not p.is_file() or p.name.startswith(".sparkllm_merge") or p.name in (OWNER_MARKER, MANIFEST_NAME):
             continue
         st = p.stat()
         entry: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
