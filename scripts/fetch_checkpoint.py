@@ -755,9 +755,7 @@ def run(a: argparse.Namespace) -> dict[str, object]:
         return write_manifest(a.dir, not a.no_sha256)
     if a.cmd == "mirror":
         if a.max_rate < 0:
-            raise UsageError(
-                f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive bytes-per-second rate"
-            )
+            raise UsageError(f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive rate")
         return mirror_fetch(a.src, a.dest, a.max_rate)
     # refuse a destination that is not ours before any network traffic
     if a.cmd == "fp8-extract":

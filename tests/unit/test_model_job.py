@@ -32,7 +32,8 @@ def mirror(tmp_path: Path) -> GeneratedPair:
 
 
 def fetch_argv(src: Path, dest: Path, rate: float = 0) -> list[str]:
-    argv = [sys.executable, str(SCRIPTS / "fetch_checkpoint.py"), "mirror", "--src", str(src), "--dest", str(dest)]
+    tool = str(SCRIPTS / "fetch_checkpoint.py")
+    argv = [sys.executable, tool, "mirror", "--src", str(src), "--dest", str(dest)]
     return argv + (["--max-rate", str(rate)] if rate else [])
 
 
@@ -49,7 +50,7 @@ def write_spec(tmp_path: Path, fetches: list[dict], **extra: str) -> Path:
     return spec
 
 
-def run_job(tmp_path: Path, spec: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], dict]:
+def run_job(tmp_path: Path, spec: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "PYTHONPATH": str(SCRIPTS)}
     res = subprocess.run(
         [sys.executable, str(SCRIPTS / "model_job.py"), "--spec", str(spec), "--status",
@@ -112,7 +113,8 @@ def test_parts_match_a_merge_from_scratch_byte_for_byte(mirror: GeneratedPair, t
     hybrid_merge.run(mirror.int4_dir, mirror.fp8_dir, scratch)
     for f in sorted(scratch.glob("*.safetensors")):
         assert (ahead / f.name).read_bytes() == f.read_bytes(), f.name
-    assert (ahead / "model.safetensors.index.json").read_text() == (scratch / "model.safetensors.index.json").read_text()
+    index = "model.safetensors.index.json"
+    assert (ahead / index).read_text() == (scratch / index).read_text()
 
 
 def test_an_interrupted_merge_resumes_only_the_missing_or_changed_shards(
@@ -194,8 +196,8 @@ def test_the_token_reaches_the_fetch_in_its_environment_and_the_file_is_gone(tmp
     token = tmp_path / "token"
     token.write_text("hf_secret\n")
     token.chmod(0o600)
-    show = [sys.executable, "-c",
-            "import json, os, sys; print(json.dumps({'token': os.environ.get('HF_TOKEN'), 'argv': sys.argv}))"]
+    code = "import json, os, sys; print(json.dumps({'token': os.environ.get('HF_TOKEN'), 'argv': sys.argv}))"
+    show = [sys.executable, "-c", code]
     (tmp_path / "int4").mkdir()
     (tmp_path / "fp8").mkdir()
     spec = write_spec(tmp_path, [{"key": "fp8", "argv": show, "token": True},
@@ -211,7 +213,7 @@ def test_the_token_reaches_the_fetch_in_its_environment_and_the_file_is_gone(tmp
 
 @pytest.mark.parametrize("doc", [[], {"fetches": "x", "int4_dir": "a", "fp8_dir": "b", "merge_out": "c"},
                                  {"fetches": [], "int4_dir": "", "fp8_dir": "b", "merge_out": "c"}])
-def test_a_bad_spec_is_a_usage_error(tmp_path: Path, doc: object, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_spec_is_a_usage_error(tmp_path: Path, doc: object, capsys: pytest.CaptureFixture) -> None:
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(doc))
     assert model_job.main(["--spec", str(spec), "--status", str(tmp_path / "s.json")]) == 2
