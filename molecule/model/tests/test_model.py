@@ -319,5 +319,5 @@ def test_the_start_play_does_nothing_when_the_checkpoints_are_in_place(host):
     res = run_playbook("playbooks/model-start.yml")
     assert res.rc == 0, res.output[-3000:]
     assert _recap_changed(res.output) == 0
-    assert "in the background" not in _flat(res.output) and "following it" not in _flat(res.output)
+    assert "Downloading" not in _flat(res.output) and "following it" not in _flat(res.output)
     assert _snapshot(host) == before
