@@ -292,7 +292,7 @@ def test_a_rerun_during_the_background_download_attaches_to_it(host, neg_area):
     run meanwhile follows that job instead of starting a second one, and the INT4 shards were merged
     while the rest was still arriving."""
     extra = {**NEG, "spark_model_dir": "/srv/neg/model", "model_fetch_job_dir": "/srv/neg/job",
-             "model_fetch_log": "/srv/neg/model-fetch.log", "model_fetch_mirror_max_rate": 25000}
+             "model_fetch_log": "/srv/neg/model-fetch.log", "model_fetch_mirror_max_rate": 12000}  # ~1 min
     res = run_playbook("playbooks/model-start.yml", extra)
     assert res.rc == 0, res.output[-3000:]
     assert "Downloading INT4 and FP8 in the background" in _flat(res.output)
@@ -300,7 +300,8 @@ def test_a_rerun_during_the_background_download_attaches_to_it(host, neg_area):
     assert host.file("/srv/neg/job/job.json").mode == 0o600
     res = run_playbook("playbooks/model.yml", extra)
     assert res.rc == 0, res.output[-3000:]
-    assert "is still running: following it instead of starting another" in _flat(res.output)
+    # still running, or (on a loaded machine) ended since, not yet collected: followed either way
+    assert "following it instead of starting another" in _flat(res.output)
     log = host.file("/srv/neg/model-fetch.log").content_string
     assert log.count("started the INT4 fetch") == 1, log
     status = _json(host, "/srv/neg/job/status.json")
