@@ -14,9 +14,10 @@ Subcommands:
       partners, fetch only those byte ranges (coalesced; each response must be 206 with exactly the
       requested range and length) and write FILE atomically, plus model.safetensors.index.json and
       .sparkllm_source.json (provenance) next to it.
-  mirror --src DIR --dest DIR
+  mirror --src DIR --dest DIR [--max-rate BYTES_PER_S]
       Copy from a local/mounted mirror, verifying every file against the mirror's
-      sparkllm-manifest.json (name, size, sha256). Temp file + rename per file.
+      sparkllm-manifest.json (name, size, sha256). Temp file + rename per file. --max-rate caps the
+      read rate (a shared NAS or link; default: unlimited).
   manifest DIR [--no-sha256]
       Write DIR/sparkllm-manifest.json for use as a mirror.
 
@@ -24,7 +25,10 @@ Every mode checks free disk space before transferring (needed bytes + 1 GiB/2 % 
 Token: --token-file F or the HF_TOKEN environment variable; it is sent only as an Authorization
 header and never printed or written. Endpoint: --endpoint, else HF_ENDPOINT, else
 https://huggingface.co. A finished destination is recorded in DIR/.sparkllm_source.json; reruns
-skip files that are already complete and verified.
+skip files that are already complete and verified. Each file is recorded as verified the moment it
+is (hub/full: "verified" in .sparkllm_source.json; mirror: .sparkllm_mirror.json), with its size and
+mtime: `verified_files(DIR)` reads that, so a consumer (scripts/model_job.py) can use a file while the
+rest is still arriving.
 
 Destinations are ours or untouched: a destination directory is marked (.sparkllm-owner.json) when
 this tool creates it; a non-empty directory it did not create, an existing file where a directory
@@ -69,7 +73,7 @@ from sparkllm.checkpoint import (
     scale_name,
 )
 from sparkllm.cli import HelpFormatter
-from sparkllm.fileio import atomic_write, fsync_dir, sha256_file, write_json_atomic
+from sparkllm.fileio import Throttle, atomic_write, fsync_dir, sha256_file, write_json_atomic
 from sparkllm.outdir import OutputRefused, check_output_dir, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
@@ -578,13 +582,34 @@ def hub_fetch(
 # ------------------------------------------------------------------ mirror
 
 
-def copy_verified(src: Path, dst: Path, entry: ManifestEntry) -> None:
+def verified_files(dest: Path) -> dict[str, int]:
+    """Files of ``dest`` this tool has verified and that are still as verified (size and mtime):
+    name -> size. Read while a fetch runs, it lists the files that are complete already."""
+    mirror = _read_json(dest / MIRROR_STATE)
+    hub = _read_json(dest / SOURCE_RECORD).get("verified", {})
+    out: dict[str, int] = {}
+    for states in (hub if isinstance(hub, dict) else {}, mirror):
+        for name, st in states.items():
+            if not isinstance(st, dict):
+                continue
+            try:
+                cur = (dest / name).stat()
+            except OSError:
+                continue
+            if st.get("size") == cur.st_size and st.get("mtime_ns") == cur.st_mtime_ns:
+                out[name] = cur.st_size
+    return out
+
+
+def copy_verified(src: Path, dst: Path, entry: ManifestEntry, throttle: Throttle | None = None) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
+    throttle = throttle or Throttle(0)
     with open(src, "rb") as fi, atomic_write(dst, tag="incomplete") as fo:
-        while block := fi.read(CHUNK * 4):
+        while block := fi.read(throttle.block):
             h.update(block)
             fo.write(block)
+            throttle.account(len(block))
         size = fo.tell()
         if size != entry.size:
             raise FetchError(
@@ -594,7 +619,7 @@ def copy_verified(src: Path, dst: Path, entry: ManifestEntry) -> None:
             raise FetchError(f"{src}: sha256 differs from {MANIFEST_NAME} (corrupt mirror file)")
 
 
-def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:
+def mirror_fetch(src: Path, dest: Path, max_rate: float = 0) -> dict[str, object]:
     if not src.is_dir():
         raise UsageError(
             f"{src}: --src is not a directory; pass the mirror directory (holding {MANIFEST_NAME})"
@@ -632,9 +657,10 @@ def mirror_fetch(src: Path, dest: Path) -> dict[str, object]:
         if not (src / e.name).is_file():
             raise FetchError(f"{src / e.name}: listed in {MANIFEST_NAME} but missing from the mirror")
     check_disk_space(dest, sum(e.size for e in todo))
+    throttle = Throttle(max_rate)
     for e in todo:
         log(f"mirror: {e.name} ({gib(e.size)})")
-        copy_verified(src / e.name, dest / e.name, e)
+        copy_verified(src / e.name, dest / e.name, e, throttle)
         state[e.name] = {"size": e.size, "sha256": e.sha256, "mtime_ns": (dest / e.name).stat().st_mtime_ns}
         write_json_atomic(dest / MIRROR_STATE, state)
     if record:
@@ -708,6 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--src", required=True, type=Path, help="mirror directory holding sparkllm-manifest.json")
     sp.add_argument("--dest", required=True, type=Path, help="destination directory")
+    sp.add_argument("--max-rate", type=float, default=0, metavar="BYTES_PER_S",
+                    help="read at most this many bytes per second from the mirror (default 0: unlimited)")
     sp = sub.add_parser(
         "manifest", help="write sparkllm-manifest.json for a directory", formatter_class=HelpFormatter
     )
@@ -726,7 +754,9 @@ def run(a: argparse.Namespace) -> dict[str, object]:
     if a.cmd == "manifest":
         return write_manifest(a.dir, not a.no_sha256)
     if a.cmd == "mirror":
-        return mirror_fetch(a.src, a.dest)
+        if a.max_rate < 0:
+            raise UsageError(f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive rate")
+        return mirror_fetch(a.src, a.dest, a.max_rate)
     # refuse a destination that is not ours before any network traffic
     if a.cmd == "fp8-extract":
         if a.dest.is_dir():

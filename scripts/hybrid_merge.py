@@ -24,6 +24,14 @@ The output is written to <out>.tmp-<pid> (sibling of --out, same filesystem), ma
 are removed when they carry that mark. Tensors are never decoded: byte ranges are copied with
 os.copy_file_range, so memory stays flat.
 
+Shard by shard: each output shard is first written (temp file, fsync, rename) into <out>.parts, under
+a name and a record of exactly what it was made from (every tensor's source file, offset and length,
+and each source file's size and mtime), then hard-linked into <out>.tmp-<pid>. An interrupted merge
+resumes there: a rerun writes only the shards whose part is missing or whose inputs changed. The same
+parts are filled while the INT4 checkpoint is still downloading (scripts/model_job.py merges each shard
+as soon as the fetch tool has verified it), so the final merge only links them. <out>.parts is removed
+once the output is in place.
+
 --out is ours or untouched: it may be new, empty, or an earlier output of this tool (which is replaced);
 a non-empty directory of anyone else, an existing file, and a directory equal to, inside or holding
 --int4 or --fp8 are refused before anything is written.
@@ -35,12 +43,14 @@ Exit codes: 0 ok (or no-op), 1 the merge failed (invalid input checkpoint, I/O f
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,10 +61,13 @@ from sparkllm.checkpoint import (
     CheckpointError,
     MergePlan,
     OutShard,
+    TensorSource,
     dir_fingerprint,
     fingerprint_digest,
+    plan_extra_shard,
     plan_index,
     plan_merge,
+    plan_shard,
     read_source_record,
 )
 from sparkllm.cli import HelpFormatter
@@ -68,11 +81,15 @@ from sparkllm.safetensors_io import (
     copy_ranges,
     encode_header,
     header_digest,
+    read_header,
 )
 
 RECORD_NAME = ".sparkllm_merge.json"
 PROVENANCE_KEY = "sparkllm_provenance"
 TOOL = "hybrid_merge"
+PARTS_RECORD = ".sparkllm_parts.json"
+PARTS_LOCK = ".lock"
+PART_FORMAT = "hybrid_merge-part/1"
 
 
 class UsageError(Exception):
@@ -201,6 +218,119 @@ def write_shard(shard: OutShard, path: Path) -> dict[str, object]:
     return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest()}
 
 
+def parts_dir(out: Path) -> Path:
+    """Where the shards of ``out`` are merged one by one before the output is assembled."""
+    return out.with_name(f"{out.name}.parts")
+
+
+def part_identity(shard: OutShard) -> str:
+    """What a part was made from: the layout (every tensor's source, offset, length) and each source
+    file's size and mtime. A refetched or changed input file changes it; nothing else does."""
+    sources: dict[str, object] = {}
+    real: dict[Path, str] = {}
+    for t in shard.tensors:
+        if t.src not in real:
+            real[t.src] = os.path.realpath(t.src)
+            st = os.stat(t.src)
+            sources[real[t.src]] = [st.st_size, st.st_mtime_ns]
+    layout = [[t.name, t.dtype, list(t.shape), real[t.src], t.offset, t.length] for t in shard.tensors]
+    doc = {"format": PART_FORMAT, "shard": shard.name, "tensors": layout, "sources": sources}
+    return fingerprint_digest(doc)
+
+
+class PartStore:
+    """<out>.parts: merged shards by name with a record of their inputs; one writer at a time (flock).
+
+    Use as a context manager: entering takes the lock (waiting for another merge filling the same
+    parts), leaving releases it."""
+
+    def __init__(self, out: Path, inputs: tuple[tuple[str, Path], ...] = ()) -> None:
+        self.dir = parts_dir(out)
+        self.inputs = inputs
+        self._fd: int | None = None
+        self.record: dict[str, dict[str, object]] = {}
+
+    def __enter__(self) -> PartStore:
+        try:
+            check_output_dir(self.dir, TOOL, inputs=self.inputs, flag="--out's parts directory")
+        except OutputRefused as exc:
+            raise UsageError(str(exc)) from None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_marker(self.dir, TOOL)
+        self._fd = os.open(self.dir / PARTS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            doc = json.loads((self.dir / PARTS_RECORD).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = {}
+        self.record = doc if isinstance(doc, dict) else {}
+        for leftover in self.dir.glob(".*.part-*"):  # a write cut by a crash (we hold the lock)
+            leftover.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+    def current(self, shard: OutShard, identity: str | None = None) -> bool:
+        entry = self.record.get(shard.name)
+        path = self.dir / shard.name
+        if not isinstance(entry, dict) or entry.get("input") != (identity or part_identity(shard)):
+            return False
+        try:
+            same_size = path.stat().st_size == entry.get("size")
+            return same_size and header_digest(path) == entry.get("header_sha256")
+        except (OSError, SafetensorsError):
+            return False
+
+    def ensure(self, shard: OutShard) -> bool:
+        """Make sure the part of ``shard`` is there for its current inputs; True when it was written now."""
+        identity = part_identity(shard)
+        if self.current(shard, identity):
+            return False
+        path = self.dir / shard.name
+        tmp = self.dir / f".{shard.name}.part-{os.getpid()}"
+        try:
+            meta = write_shard(shard, tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.record[shard.name] = {"input": identity, **meta, "merged_at": time.time()}
+        write_json_atomic(self.dir / PARTS_RECORD, self.record)
+        return True
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def merge_landed_shard(int4_file: Path, fp8: Mapping[str, TensorSource], out: Path,
+                       inputs: tuple[tuple[str, Path], ...] = ()) -> bool:
+    """Merge one INT4 model shard into <out>.parts as soon as it is in place (the rest of the INT4
+    checkpoint may still be on its way); True when the part was written now, False when it was
+    already there for the same inputs."""
+    try:
+        header = read_header(int4_file)
+    except SafetensorsError as exc:
+        raise CheckpointError(str(exc)) from None
+    shard = plan_extra_shard(header) if int4_file.name == EXTRA_FILE else plan_shard(header, fp8)[0]
+    with PartStore(out, inputs) as parts:
+        return parts.ensure(shard)
+
+
+def place_part(src: Path, dst: Path) -> None:
+    """Hard-link a part into the output being assembled (same filesystem); copy where links fail."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
 def copy_side_files(int4: Path, tmp: Path, plan: MergePlan) -> None:
     shard_names = {s.name for s in plan.shards}
     for p in sorted(int4.iterdir()):
@@ -261,7 +391,13 @@ def fsync_tree(root: Path) -> None:
 
 
 def execute(
-    plan: MergePlan, int4: Path, fp8: Path, out: Path, digest: str, timings: dict[str, float]
+    plan: MergePlan,
+    int4: Path,
+    fp8: Path,
+    out: Path,
+    digest: str,
+    timings: dict[str, float],
+    parts: PartStore,
 ) -> None:
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -270,9 +406,15 @@ def execute(
         write_marker(tmp, TOOL)
         outputs: dict[str, object] = {}
         t0 = time.monotonic()
+        written = 0
         for shard in plan.shards:
-            outputs[shard.name] = write_shard(shard, tmp / shard.name)
+            written += parts.ensure(shard)
+            place_part(parts.dir / shard.name, tmp / shard.name)
+            meta = parts.record[shard.name]
+            outputs[shard.name] = {"size": meta["size"], "header_sha256": meta["header_sha256"]}
         timings["copy"] = time.monotonic() - t0
+        timings["shards_written"] = written
+        timings["shards_reused"] = len(plan.shards) - written
         copy_side_files(int4, tmp, plan)
         patch_config(tmp, provenance(int4, fp8, plan))
         write_json_atomic(tmp / INDEX_NAME, plan_index(plan))
@@ -336,13 +478,18 @@ def run(
         remove_stale_temps(out)
     digest = fingerprint(int4, fp8)
     if not dry_run and output_is_current(out, digest):
+        if parts_dir(out).is_dir():
+            with PartStore(out, inputs=(("--int4", int4), ("--fp8", fp8))) as parts:
+                parts.remove()
         rec = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
         return MergeResult(False, out, rec.get("summary", {}), time.monotonic() - start), None
     plan = plan_merge(int4, fp8)
     if dry_run:
         return None, plan
     timings = {"plan": time.monotonic() - start}
-    execute(plan, int4, fp8, out, digest, timings)
+    with PartStore(out, inputs=(("--int4", int4), ("--fp8", fp8))) as parts:
+        execute(plan, int4, fp8, out, digest, timings, parts)
+        parts.remove()  # the output holds every shard now (hard links)
     return MergeResult(True, out, plan.summary(), time.monotonic() - start, timings), plan
 
 

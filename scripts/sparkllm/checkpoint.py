@@ -200,6 +200,43 @@ def _skip_reason_without_int4(name: str, int4_names: set[str]) -> str | None:
     return "no INT4 tensor of that name"
 
 
+def load_fp8_table(fp8_dir: Path) -> dict[str, TensorSource]:
+    """Every tensor of the FP8 checkpoint (full or extract), by name; raises ``CheckpointError``."""
+    fp8_headers = load_headers(safetensors_files(fp8_dir))
+    if not fp8_headers:
+        raise CheckpointError(f"{fp8_dir}: no *.safetensors files found")
+    return tensor_table(fp8_headers)
+
+
+def plan_shard(header: Header, fp8: Mapping[str, TensorSource]) -> tuple[OutShard, list[str], list[Skipped]]:
+    """The output shard of one INT4 model shard: (shard, weights taken from FP8, skipped candidates).
+
+    Needs only that shard's header and the FP8 tensors, so a shard can be merged as soon as it has
+    landed, before the rest of the INT4 checkpoint."""
+    shard = OutShard(header.path.name)
+    scales: list[OutTensor] = []
+    taken: list[str] = []
+    skipped: list[Skipped] = []
+    for info in header.tensors.values():
+        scale, reason = fp8_replacement(info, fp8)
+        if scale is not None:
+            shard.tensors.append(_out(fp8[info.name], "fp8"))
+            scales.append(_out(scale, "fp8-scale"))
+            taken.append(info.name)
+        else:
+            if reason not in ("no FP8 tensor",):
+                skipped.append(Skipped(info.name, reason))
+            shard.tensors.append(_out(TensorSource(header, info), "int4"))
+    shard.tensors.extend(scales)
+    return shard, taken, skipped
+
+
+def plan_extra_shard(header: Header) -> OutShard:
+    """The MTP extra file is carried over as it is (FP8 copies of mtp.* are never taken)."""
+    tensors = [_out(TensorSource(header, info), "mtp") for info in header.tensors.values()]
+    return OutShard(header.path.name, tensors)
+
+
 def plan_merge(int4_dir: Path, fp8_dir: Path, extra_file: str = EXTRA_FILE) -> MergePlan:
     """Plan the hybrid merge; validates every input header (raises ``CheckpointError``)."""
     int4_files = [p for p in safetensors_files(int4_dir, use_index=False) if p.name != extra_file]
@@ -209,42 +246,27 @@ def plan_merge(int4_dir: Path, fp8_dir: Path, extra_file: str = EXTRA_FILE) -> M
     int4 = tensor_table(int4_headers)
     extra_path = int4_dir / extra_file
     mtp_header = load_headers([extra_path])[extra_file] if extra_path.is_file() else None
-    fp8_headers = load_headers(safetensors_files(fp8_dir))
-    if not fp8_headers:
-        raise CheckpointError(f"{fp8_dir}: no *.safetensors files found")
-    fp8 = tensor_table(fp8_headers)
+    fp8 = load_fp8_table(fp8_dir)
 
     shards: list[OutShard] = []
     taken: list[str] = []
     skipped: list[Skipped] = []
     kept = 0
     for fname in sorted(int4_headers):
-        shard = OutShard(fname)
-        scales: list[OutTensor] = []
-        for info in int4_headers[fname].tensors.values():
-            scale, reason = fp8_replacement(info, fp8)
-            if scale is not None:
-                shard.tensors.append(_out(fp8[info.name], "fp8"))
-                scales.append(_out(scale, "fp8-scale"))
-                taken.append(info.name)
-            else:
-                if reason not in ("no FP8 tensor",):
-                    skipped.append(Skipped(info.name, reason))
-                shard.tensors.append(_out(int4[info.name], "int4"))
-                kept += 1
-        shard.tensors.extend(scales)
+        shard, shard_taken, shard_skipped = plan_shard(int4_headers[fname], fp8)
         shards.append(shard)
+        taken += shard_taken
+        skipped += shard_skipped
+        kept += len(shard.tensors) - 2 * len(shard_taken)
 
     int4_names = set(int4)
     mtp_names: list[str] = []
     if mtp_header is not None:
-        shard = OutShard(extra_file)
         for name in mtp_header.tensors:
             if name in int4:
                 raise CheckpointError(f"{extra_path}: tensor {name!r} is also in {int4[name].header.path}")
-            shard.tensors.append(_out(TensorSource(mtp_header, mtp_header.tensors[name]), "mtp"))
             mtp_names.append(name)
-        shards.append(shard)
+        shards.append(plan_extra_shard(mtp_header))
 
     taken_set = set(taken)
     scale_names = {scale_name(n) for n in taken}
@@ -271,7 +293,27 @@ def dir_fingerprint(directory: Path) -> dict[str, object]:
     """Cheap identity of a directory's files: names, sizes, mtimes, safetensors header digests."""
     files: dict[str, object] = {}
     for p in sorted(directory.iterdir()):
-        if not p.is_file() or p.name.startswith(".sparkllm_merge") or p.name == OWNER_MARKER:
+        # the manifest is written after a fetch (and after a merge that ran as the shards landed)
+        if not p.is_file() or p.name.startswith(".sparkllm_merge") or p.name in (OWNER_MARKER, MANIFEST_NAME):
+            continue
+        st = p.stat()
+        entry: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if p.suffix == ".safetensors":
+            try:
+                entry["header_sha256"] = header_digest(p)
+            except SafetensorsError:
+                entry["header_sha256"] = "invalid"
+        files[p.name] = entry
+    return {"path": str(directory.resolve()), "files": files}
+
+
+def tensor_files_fingerprint(directory: Path) -> dict[str, object]:
+    """Identity of what a merge reads from a checkpoint directory: its *.safetensors files and its
+    index (size, mtime, header digest), not the bookkeeping files written next to them later (the
+    manifest, the fetch records), so it stays the same from the moment the files are in place."""
+    files: dict[str, object] = {}
+    for p in sorted(directory.iterdir()):
+        if not p.is_file() or not (p.suffix == ".safetensors" or p.name == INDEX_NAME):
             continue
         st = p.stat()
         entry: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}

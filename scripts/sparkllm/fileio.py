@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 HASH_CHUNK = 1 << 22  # bytes per read() when hashing a file
+STREAM_BLOCK = 1 << 22  # bytes per read() of a copy without a rate cap
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK) -> str:
@@ -62,3 +64,24 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
 def write_json_atomic(path: str | os.PathLike[str], doc: object, indent: int = 2) -> None:
     """``doc`` as indented JSON plus a newline, written atomically."""
     write_bytes_atomic(path, (json.dumps(doc, indent=indent, sort_keys=False) + "\n").encode("utf-8"))
+
+
+class Throttle:
+    """Caps a stream at ``rate`` bytes per second over its whole life (0: no cap)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = max(0.0, rate)
+        self.start = time.monotonic()
+        self.bytes = 0
+
+    @property
+    def block(self) -> int:
+        # small blocks under a low cap, so the flow is steady rather than bursts of 4 MiB
+        return STREAM_BLOCK if not self.rate else int(min(STREAM_BLOCK, max(4096, self.rate / 8)))
+
+    def account(self, n: int) -> None:
+        self.bytes += n
+        if self.rate:
+            ahead = self.bytes / self.rate - (time.monotonic() - self.start)
+            if ahead > 0:
+                time.sleep(ahead)

@@ -297,3 +297,40 @@ def test_missing_mirror_manifest_names_the_fix(host, neg_area):
     assert "/srv/mirror-bad/fp8/sparkllm-manifest.json cannot be read" in _flat(res.output)
     assert "fetch_checkpoint.py manifest" in _flat(res.output)
     assert not host.file("/srv/neg/int4").exists
+
+
+def test_a_rerun_during_the_background_download_attaches_to_it(host, neg_area):
+    """model-start.yml (site.yml runs it before the build) leaves the download running; the model stage
+    run meanwhile follows that job instead of starting a second one, and the INT4 shards were merged
+    while the rest was still arriving."""
+    extra = {**NEG, "spark_model_dir": "/srv/neg/model", "model_fetch_job_dir": "/srv/neg/job",
+             "model_fetch_log": "/srv/neg/model-fetch.log", "model_fetch_mirror_max_rate": 12000}  # ~1 min
+    res = run_playbook("playbooks/model-start.yml", extra)
+    assert res.rc == 0, res.output[-3000:]
+    assert "Downloading INT4 and FP8 in the background" in _flat(res.output)
+    assert _json(host, "/srv/neg/job/status.json")["state"] == "running"
+    assert host.file("/srv/neg/job/job.json").mode == 0o600
+    res = run_playbook("playbooks/model.yml", extra)
+    assert res.rc == 0, res.output[-3000:]
+    # still running, or (on a loaded machine) ended since, not yet collected: followed either way
+    assert "following it instead of starting another" in _flat(res.output)
+    log = host.file("/srv/neg/model-fetch.log").content_string
+    assert log.count("started the INT4 fetch") == 1, log
+    status = _json(host, "/srv/neg/job/status.json")
+    assert status["state"] == "done"
+    assert min(status["merged"].values()) < status["fetches"]["int4"]["ended"] - 5, status
+    assert not host.file("/srv/neg/job/job.json").exists  # released by the run that collected it
+    fact = _json(host, "/srv/neg/facts/spark_model.fact")
+    assert fact["int4_verified"] and fact["fp8_verified"] and fact["hybrid_verified"]
+    res = host.run(f"python3 {TOOLS}/verify_checkpoint.py /srv/neg/model --expect-mtp --expect-hybrid")
+    assert res.rc == 0, res.stdout + res.stderr
+    assert not host.file("/srv/neg/model.staging.parts").exists
+
+
+def test_the_start_play_does_nothing_when_the_checkpoints_are_in_place(host):
+    before = _snapshot(host)
+    res = run_playbook("playbooks/model-start.yml")
+    assert res.rc == 0, res.output[-3000:]
+    assert _recap_changed(res.output) == 0
+    assert "Downloading" not in _flat(res.output) and "following it" not in _flat(res.output)
+    assert _snapshot(host) == before
