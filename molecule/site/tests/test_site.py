@@ -51,7 +51,10 @@ def _fact(host, name: str) -> dict:
 def test_every_stage_recorded_its_fact(host):
     assert _fact(host, "spark_preflight")["gpu_checks"] == "skipped (test bed)"
     build = _fact(host, "spark_build")
-    assert build["images"]["v0_19_1"] == "sparkllm-site/standin:vllm-0.19.1"
+    if PHASE == "fresh":  # the pull path, with the stand-in image
+        assert build["images"]["v0_19_1"] == "sparkllm-site/standin:vllm-0.19.1"
+    else:  # the fresh provision after the wipe builds it (converge.yml: the slowed build)
+        assert build["images"]["v0_19_1"].startswith("sparkllm-site/provision:v0.19.1-"), build["images"]
     model = _fact(host, "spark_model")
     assert model["hybrid_verified"] is True
     assert _fact(host, "spark_serve")["active_method"] == "mtp"
@@ -177,3 +180,54 @@ def test_restore_was_timed_too(host):
     assert len(times) == 3
     print(f"\nRESTORE FIGURE: converge of a wiped host {times[2]['seconds']:.1f} s")
     MARKER.unlink()
+
+
+def _play(plays: list[dict], prefix: str) -> dict:
+    found = [p for p in plays if p["name"].startswith(prefix)]
+    assert len(found) == 1, (prefix, [p["name"] for p in plays])
+    return found[0]
+
+
+@restore
+def test_fresh_provision_overlaps_download_and_build_and_prints_the_figure(host):
+    """The converge of the wiped host is a fresh provision with the build slowed to a fixed duration and
+    the mirror's rate capped (converge.yml). X is its wall time. Y is the sum of its stages' own times, as
+    if run one after another: every play's duration, except that the model stage counts its start play,
+    the whole background job (started -> last shard merged and the hybrid assembled) and the part of its
+    play after the job ended. Z is the time from the last byte to the verified hybrid in staging."""
+    times = [json.loads(x) for x in (ROOT / "timings.jsonl").read_text().splitlines() if x.strip()]
+    counts = [c for c in (json.loads(x) for x in (ROOT / "tasks.jsonl").read_text().splitlines() if x.strip())
+              if c["playbook"] == "converge.yml" and not c["check"]]
+    total, t0 = times[2]["seconds"], times[2]["start"]
+    plays = counts[-1]["plays"]
+    assert plays[0]["start"] >= t0 - 1, "the last converge counted is not the restore converge"
+    job = json.loads(host.file("/var/lib/sparkllm/model-job/status.json").content_string)
+    assert job["state"] == "done", job
+    assert job["ready"] and job["last_byte"], job
+    build, start, model = _play(plays, "Build"), _play(plays, "Model (start)"), _play(plays, "Model - ")
+    job_end = max(v for v in (job["ready"], job["last_merge"], job["last_byte"]) if v)
+    # the download ran alongside the build: started before it, still arriving when it began
+    assert job["started"] < build["start"] < job["last_byte"], (job, build)
+    # shards were merged while others were still arriving
+    assert min(job["merged"].values()) < job["last_byte"], job
+    stages: dict[str, float] = {}
+    for p in plays:
+        if p is start or p is model:
+            continue
+        key = p["name"].split(" - ")[0].split(" (")[0]
+        stages[key] = stages.get(key, 0.0) + p["end"] - p["start"]
+    model_own = (start["end"] - start["start"]) + (job_end - job["started"]) \
+        + max(0.0, model["end"] - max(model["start"], job_end))
+    stages["Model"] = model_own
+    total_stages = sum(stages.values())
+    ready_after = job["ready"] - job["last_byte"]
+    print(f"\nPROVISION FIGURE: total {total:.1f} s, sum of stages {total_stages:.1f} s, "
+          f"model ready {ready_after:.1f} s after the last byte")
+    print("provision stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items())
+          + f"; download {job['last_byte'] - job['started']:.1f} s; ratio {total / total_stages:.2f}")
+    (RESULTS.parent / "demo-provision.json").write_text(json.dumps(
+        {"total_s": total, "sum_of_stages_s": round(total_stages, 1), "ratio": round(total / total_stages, 3),
+         "model_ready_after_last_byte_s": round(ready_after, 1),
+         "stages_s": {k: round(v, 1) for k, v in stages.items()}}))
+    assert total < total_stages
+    assert ready_after < 30, ready_after

@@ -3,7 +3,8 @@
 A task counts for a host when a module ran on that host: its result was ok, changed, failed or
 unreachable (not skipped), it was not delegated to the controller, and its action is not one the
 controller answers alone (set_fact, debug, assert, fail, meta, include/import, add_host, group_by).
-The site scenario reads the line of the no-op rerun for its RERUN FIGURE (issue 14: T <= 25).
+The site scenario reads the line of the no-op rerun for its RERUN FIGURE (issue 14: T <= 25). Each line
+also holds every play's name and its start and end (epoch seconds), for the PROVISION FIGURE.
 Enable with ANSIBLE_CALLBACKS_ENABLED=sparkllm_task_count and SPARKLLM_TASK_COUNT_FILE=<path>.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import defaultdict
 
 from ansible import context
@@ -21,8 +23,8 @@ name: sparkllm_task_count
 type: aggregate
 short_description: count the tasks each host executed (test bed)
 description: >-
-  Appends {"playbook", "check", "hosts": {host: {"executed": N, "names": [...]}}}
-  to SPARKLLM_TASK_COUNT_FILE.
+  Appends {"playbook", "check", "hosts": {host: {"executed": N, "names": [...]}},
+  "plays": [{"name", "start", "end"}]} to SPARKLLM_TASK_COUNT_FILE.
 requirements: [enabled in ANSIBLE_CALLBACKS_ENABLED]
 """
 
@@ -47,9 +49,18 @@ class CallbackModule(CallbackBase):
         super().__init__()
         self._names: dict[str, list[str]] = defaultdict(list)
         self._playbook = ""
+        self._plays: list[dict[str, object]] = []
 
     def v2_playbook_on_start(self, playbook) -> None:
         self._playbook = os.path.basename(playbook._file_name)
+
+    def _end_play(self) -> None:
+        if self._plays and self._plays[-1]["end"] is None:
+            self._plays[-1]["end"] = time.time()
+
+    def v2_playbook_on_play_start(self, play) -> None:
+        self._end_play()
+        self._plays.append({"name": play.get_name(), "start": time.time(), "end": None})
 
     def _count(self, result) -> None:
         task = result._task
@@ -73,7 +84,8 @@ class CallbackModule(CallbackBase):
         path = os.environ.get("SPARKLLM_TASK_COUNT_FILE")
         if not path:
             return
+        self._end_play()
         hosts = {h: {"executed": len(n), "names": n} for h, n in sorted(self._names.items())}
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"playbook": self._playbook, "check": bool(context.CLIARGS.get("check")),
-                                "hosts": hosts}) + "\n")
+                                "hosts": hosts, "plays": self._plays}) + "\n")
