@@ -55,3 +55,56 @@ def test_second_build_into_the_same_log_is_refused_while_the_first_runs(tmp_path
     # and once the first is done, a new build runs
     third = subprocess.run([str(WRAPPER), str(log), "build", "third"], env=fake_docker, check=False)
     assert third.returncode == 0
+
+
+def _wait_for(path: Path, text: str = "", timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never held {text!r}")
+
+
+def test_a_failed_job_beside_the_build_stops_it(tmp_path, fake_docker):
+    """The model download beside the build failed: the build is stopped at once (not after its hour)."""
+    log, status = tmp_path / "build.log", tmp_path / "status.json"
+    status.write_text('{\n  "state": "running",\n  "pid": 1\n}\n')
+    build = subprocess.Popen([str(WRAPPER), str(log), "build", "x"],
+                             env={**fake_docker, "SPARKLLM_BUILD_WATCH": str(status)})
+    _wait_for(log, "# docker build x")
+    time.sleep(1.5)
+    assert build.poll() is None, "a running job must not stop the build"
+    status.write_text('{\n  "state": "failed",\n  "error": "sha256 mismatch"\n}\n')
+    rc = build.wait(timeout=15)  # the fake docker would wait forever for FAKE_GO
+    assert rc not in (0, 75)
+    text = log.read_text()
+    assert f"stopping the build: the job beside it failed (status {status})" in text
+    assert f"finished rc={rc}" in text
+    assert (tmp_path / "build.log.rc").read_text().strip() == str(rc)
+
+
+def test_a_build_watching_a_job_that_goes_well_finishes_normally(tmp_path, fake_docker):
+    log, status = tmp_path / "build.log", tmp_path / "status.json"
+    status.write_text('{"state": "done"}\n')
+    build = subprocess.Popen([str(WRAPPER), str(log), "build", "x"],
+                             env={**fake_docker, "SPARKLLM_BUILD_WATCH": str(status)})
+    _wait_for(log, "# docker build x")
+    (tmp_path / "go").touch()
+    assert build.wait(timeout=15) == 0
+    assert "stopping" not in log.read_text()
+    assert (tmp_path / "build.log.rc").read_text().strip() == "0"
+
+
+def test_sigterm_to_the_wrapper_stops_docker_and_records_the_status(tmp_path, fake_docker):
+    log = tmp_path / "build.log"
+    build = subprocess.Popen([str(WRAPPER), str(log), "build", "x"], env=fake_docker)
+    _wait_for(log, "# docker build x")
+    build.terminate()
+    rc = build.wait(timeout=15)
+    assert rc != 0
+    assert (tmp_path / "build.log.rc").read_text().strip() not in ("", "0")
+    # docker (the fake) is gone too: nothing of the build is left running
+    ps = subprocess.run(["pgrep", "-f", f"{tmp_path}/bin/docker"], capture_output=True, text=True,
+                        check=False)
+    assert ps.stdout.strip() == "", ps.stdout

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sqlite3
+import time
 import urllib.request
 from pathlib import Path
 
@@ -42,6 +43,10 @@ def _models() -> list[str]:
 def _active_units(host) -> set[str]:
     out = host.run("systemctl list-units --state=active --no-legend --plain 'sparkllm-vllm-*'").stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _json_file(host, path: str) -> dict:
+    return json.loads(host.file(path).content_string)
 
 
 def _fact(host, name: str) -> dict:
@@ -201,7 +206,7 @@ def test_fresh_provision_overlaps_download_and_build_and_prints_the_figure(host)
     total, t0 = times[2]["seconds"], times[2]["start"]
     plays = counts[-1]["plays"]
     assert plays[0]["start"] >= t0 - 1, "the last converge counted is not the restore converge"
-    job = json.loads(host.file("/var/lib/sparkllm/model-job/status.json").content_string)
+    job = _json_file(host, "/var/lib/sparkllm/model-job/status.json")
     assert job["state"] == "done", job
     assert job["ready"] and job["last_byte"], job
     build, start, model = _play(plays, "Build"), _play(plays, "Model (start)"), _play(plays, "Model - ")
@@ -231,3 +236,82 @@ def test_fresh_provision_overlaps_download_and_build_and_prints_the_figure(host)
          "stages_s": {k: round(v, 1) for k, v in stages.items()}}))
     assert total < total_stages
     assert ready_after < 30, ready_after
+
+
+# A failure of either the build or the download running beside it stops both; a rerun resumes both.
+# These run last (restore phase): each wipes the model so the next site.yml downloads again.
+TEMPLATE = Path(os.environ["MOLECULE_PROJECT_DIRECTORY"]) / "molecule/site/files/Dockerfile.provision.j2"
+JOB = "/var/lib/sparkllm/model-job"
+
+
+def _slow_build(seconds: int, **extra) -> dict:
+    return {"spec_method": "mtp", "vllm_build_images": {}, "vllm_build_image_repo": "sparkllm-site/provision",
+            "vllm_build_dockerfile_template": str(TEMPLATE), "vllm_build_progress_interval_s": 2,
+            "site_provision_build_seconds": seconds, "site_provision_nonce": f"{time.time():.3f}", **extra}
+
+
+def _wipe_model(host) -> None:
+    res = host.run(f"rm -rf /var/tmp/sparkllm-site/models/* {JOB}")
+    assert res.rc == 0, res.stderr
+
+
+def _alive(host, pattern: str) -> str:
+    return host.run(f"pgrep -af '{pattern}' | grep -v pgrep || true").stdout.strip()
+
+
+@restore
+def test_a_failed_download_stops_the_build_beside_it(host):
+    """A mirror shard corrupt (same size, other bytes): the download fails while the build (120 s) runs;
+    the build is stopped at once and the run names the download's error."""
+    shard = "model-00002-of-00003.safetensors"
+    prep = host.run("rm -rf /srv/mirror-bad && cp -a /srv/mirror/qwen3.5-122b /srv/mirror-bad && "
+                    f"printf 'corrupt!' | dd of=/srv/mirror-bad/int4/{shard} bs=1 seek=4096 conv=notrunc")
+    assert prep.rc == 0, prep.stderr
+    _wipe_model(host)
+    t0 = time.monotonic()
+    res = run_playbook("site.yml", _slow_build(120, model_fetch_mirror_dir="/srv/mirror-bad",
+                                               model_fetch_mirror_max_rate=50000))
+    took = time.monotonic() - t0
+    words = " ".join(res.output.split())
+    assert res.rc != 0
+    stopped = "The model download running beside the build failed, so the build was stopped"
+    assert stopped in words, res.output[-3000:]
+    assert f"/srv/mirror-bad/int4/{shard}" in words and "corrupt" in words
+    assert took < 110, f"the run took {took:.0f} s: the 120 s build was not stopped"
+    log = host.run("grep -l 'stopping the build: the job beside it failed' /var/log/sparkllm/*").stdout
+    assert log.strip(), "no build log says the build was stopped"
+    assert _json_file(host, f"{JOB}/status.json")["state"] == "failed"
+    assert not host.file(f"{JOB}/job.json").exists  # released: the next run starts a new job
+    assert not _alive(host, "model_job.py|fetch_checkpoint.py")
+
+
+@restore
+def test_a_failed_build_stops_the_download_beside_it(host):
+    """The build fails after 15 s while the mirror (9 kB/s, ~80 s) still copies: the download is stopped,
+    what it verified (the FP8 extract) is kept, and the run says so."""
+    _wipe_model(host)
+    extra = _slow_build(15, site_provision_fail=True, model_fetch_mirror_max_rate=9000)
+    res = run_playbook("site.yml", extra)
+    words = " ".join(res.output.split())
+    assert res.rc != 0
+    assert "The build stage failed:" in words, res.output[-3000:]
+    assert "The model download running beside it was stopped" in words
+    status = _json_file(host, f"{JOB}/status.json")
+    assert status["state"] == "failed" and "SIGTERM" in status["error"], status
+    assert status["fetches"]["fp8"]["rc"] == 0, status  # the FP8 extract landed before the stop
+    assert not host.file(f"{JOB}/job.json").exists
+    assert not _alive(host, "model_job.py|fetch_checkpoint.py")
+
+
+@restore
+def test_the_rerun_after_both_failures_resumes_and_serves(host):
+    res = run_playbook("site.yml", {"spec_method": "mtp"})
+    assert res.rc == 0, res.output[-4000:]
+    status = _json_file(host, f"{JOB}/status.json")
+    assert status["state"] == "done", status
+    # the FP8 extract verified before the stop was not copied again; the INT4 shards were
+    assert status["fetches"].get("fp8", {}).get("result", {}).get("copied", 0) == 0, status
+    assert status["fetches"]["int4"]["result"]["copied"] > 0, status
+    assert _fact(host, "spark_model")["hybrid_verified"] is True
+    assert _active_units(host) == {"sparkllm-vllm-mtp.service"}
+    assert _models() == ["qwen3.5-122b"]
