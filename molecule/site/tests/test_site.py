@@ -172,11 +172,21 @@ def test_restore_brings_back_the_same_server(host):
 
 @restore
 def test_restore_lost_nothing_and_duplicated_nothing(host):
+    """Every run recorded before the wipe is still there, unchanged. The restore rebuilt the image (the
+    PROVISION FIGURE's slowed build, converge.yml), so its server is a new one: mtp was measured once more,
+    on the new image and the same model. The same image would not have been measured again (the fresh
+    phase's return to mtp checks that)."""
     before = [tuple(r) for r in json.loads((ROOT / "results-before-wipe.json").read_text())]
     after = _store_rows()
-    assert after == before
+    assert after[: len(before)] == before
     assert len({r[0] for r in after}) == len(after)
-    assert sorted(r["label"] for r in _runs()) == ["mtp-k2", "ngram-k5"]
+    runs = {r["run_id"]: r for r in _runs()}
+    new = [runs[r[0]] for r in after[len(before):]]
+    assert [r["label"] for r in new] == ["mtp-k2"], after
+    old_mtp = next(runs[r[0]] for r in before if r[1] == "mtp-k2")
+    assert new[0]["meta"]["image_id"] != old_mtp["meta"]["image_id"]
+    assert new[0]["meta"]["image"].startswith("sparkllm-site/provision:")
+    assert new[0]["meta"]["model_manifest_sha256"] == old_mtp["meta"]["model_manifest_sha256"]
 
 
 @restore
