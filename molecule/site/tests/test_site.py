@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sqlite3
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -237,7 +238,7 @@ def test_fresh_provision_overlaps_download_and_build_and_prints_the_figure(host)
     total_stages = sum(stages.values())
     ready_after = job["ready"] - job["last_byte"]
     print(f"\nPROVISION FIGURE: total {total:.1f} s, sum of stages {total_stages:.1f} s, "
-          f"model ready {ready_after:.1f} s after the last byte")
+          f"model ready {ready_after:.2f} s after the last byte")
     print("provision stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items())
           + f"; download {job['last_byte'] - job['started']:.1f} s; ratio {total / total_stages:.2f}")
     (RESULTS.parent / "demo-provision.json").write_text(json.dumps(
@@ -257,6 +258,7 @@ JOB = "/var/lib/sparkllm/model-job"
 def _slow_build(seconds: int, **extra) -> dict:
     return {"spec_method": "mtp", "vllm_build_images": {}, "vllm_build_image_repo": "sparkllm-site/provision",
             "vllm_build_dockerfile_template": str(TEMPLATE), "vllm_build_progress_interval_s": 2,
+            "vllm_build_docker_args": ["--force-rm"],
             "site_provision_build_seconds": seconds, "site_provision_nonce": f"{time.time():.3f}", **extra}
 
 
@@ -290,6 +292,10 @@ def test_a_failed_download_stops_the_build_beside_it(host):
     assert took < 110, f"the run took {took:.0f} s: the 120 s build was not stopped"
     log = host.run("grep -l 'stopping the build: the job beside it failed' /var/log/sparkllm/*").stdout
     assert log.strip(), "no build log says the build was stopped"
+    # the build itself stopped, not only the client: no container of it still runs its 120 s "compile"
+    running = subprocess.run(["docker", "ps", "--no-trunc", "--format", "{{.Command}}"], capture_output=True,
+                             text=True, check=True).stdout
+    assert "stand-in compile" not in running, running
     assert _json_file(host, f"{JOB}/status.json")["state"] == "failed"
     assert not host.file(f"{JOB}/job.json").exists  # released: the next run starts a new job
     assert not _alive(host, "model_job.py|fetch_checkpoint.py")
