@@ -7,6 +7,8 @@ SPEC_METHOD ?= mtp
 INVENTORY ?= inventory/hosts.yml
 # molecule scenarios run by `make test` (longest first: they run two at a time)
 SCENARIOS ?= model vllm_build site serve cluster bench preflight
+# scratch directory of `make bench-merge`, on the disk to measure (its 16 GB round holds ~42 GB there)
+BENCH_DIR ?= /var/tmp
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
@@ -56,7 +58,7 @@ molecule: setup testhost-image
 
 # --- performance scripts (ratios measured in one run) -----------------------
 bench-merge: setup
-	$(BIN)/python tests/perf/bench_merge.py --size-gb 8 --double
+	$(BIN)/python tests/perf/bench_merge.py --size-gb 8 --double --workdir $(BENCH_DIR)
 
 bench-runner: setup
 	$(BIN)/python tests/perf/bench_runner_overhead.py
