@@ -13,7 +13,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -289,12 +289,11 @@ def plan_merge(int4_dir: Path, fp8_dir: Path, extra_file: str = EXTRA_FILE) -> M
 # ------------------------------------------------------------------ fingerprints and manifests
 
 
-def dir_fingerprint(directory: Path) -> dict[str, object]:
-    """Cheap identity of a directory's files: names, sizes, mtimes, safetensors header digests."""
+def _files_fingerprint(directory: Path, keep: Callable[[Path], bool]) -> dict[str, object]:
+    """Names, sizes, mtimes and safetensors header digests of the files of ``directory`` that ``keep``."""
     files: dict[str, object] = {}
     for p in sorted(directory.iterdir()):
-        # the manifest is written after a fetch (and after a merge that ran as the shards landed)
-        if not p.is_file() or p.name.startswith(".sparkllm_merge") or p.name in (OWNER_MARKER, MANIFEST_NAME):
+        if not p.is_file() or not keep(p):
             continue
         st = p.stat()
         entry: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -305,25 +304,22 @@ def dir_fingerprint(directory: Path) -> dict[str, object]:
                 entry["header_sha256"] = "invalid"
         files[p.name] = entry
     return {"path": str(directory.resolve()), "files": files}
+
+
+def dir_fingerprint(directory: Path) -> dict[str, object]:
+    """Cheap identity of a directory's files: names, sizes, mtimes, safetensors header digests."""
+    # the manifest is written after a fetch (and after a merge that ran as the shards landed)
+    return _files_fingerprint(
+        directory,
+        lambda p: not p.name.startswith(".sparkllm_merge") and p.name not in (OWNER_MARKER, MANIFEST_NAME),
+    )
 
 
 def tensor_files_fingerprint(directory: Path) -> dict[str, object]:
     """Identity of what a merge reads from a checkpoint directory: its *.safetensors files and its
     index (size, mtime, header digest), not the bookkeeping files written next to them later (the
     manifest, the fetch records), so it stays the same from the moment the files are in place."""
-    files: dict[str, object] = {}
-    for p in sorted(directory.iterdir()):
-        if not p.is_file() or not (p.suffix == ".safetensors" or p.name == INDEX_NAME):
-            continue
-        st = p.stat()
-        entry: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        if p.suffix == ".safetensors":
-            try:
-                entry["header_sha256"] = header_digest(p)
-            except SafetensorsError:
-                entry["header_sha256"] = "invalid"
-        files[p.name] = entry
-    return {"path": str(directory.resolve()), "files": files}
+    return _files_fingerprint(directory, lambda p: p.suffix == ".safetensors" or p.name == INDEX_NAME)
 
 
 def fingerprint_digest(doc: object) -> str:
