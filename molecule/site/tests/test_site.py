@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -289,9 +290,18 @@ def test_a_failed_download_stops_the_build_beside_it(host):
     stopped = "The model download running beside the build failed, so the build was stopped"
     assert stopped in words, res.output[-3000:]
     assert f"/srv/mirror-bad/int4/{shard}" in words and "corrupt" in words
-    assert took < 110, f"the run took {took:.0f} s: the 120 s build was not stopped"
-    log = host.run("grep -l 'stopping the build: the job beside it failed' /var/log/sparkllm/*").stdout
-    assert log.strip(), "no build log says the build was stopped"
+    log = host.run("grep -l 'stopping the build: the job beside it failed' /var/log/sparkllm/*")
+    log = log.stdout.split()
+    assert log, "no build log says the build was stopped"
+    # the build ran well under its 120 s "compile" (wrapper start -> finish); the whole run, with Ansible's
+    # own overhead on a loaded test machine, is only reported
+    text = host.file(log[0]).content_string
+    stamps = re.findall(r"sparkllm-image-build (?:started|finished rc=\S+) (\S+)", text)
+    assert len(stamps) == 2, stamps
+    build_s = (datetime.fromisoformat(stamps[1].replace("Z", "+00:00"))
+               - datetime.fromisoformat(stamps[0].replace("Z", "+00:00"))).total_seconds()
+    print(f"\nfailed download: the run took {took:.0f} s, the stopped build {build_s:.0f} s")
+    assert build_s < 100, f"the build ran {build_s:.0f} s: it was not stopped"
     # the build itself stopped, not only the client: no container of it still runs its 120 s "compile"
     running = subprocess.run(["docker", "ps", "--no-trunc", "--format", "{{.Command}}"], capture_output=True,
                              text=True, check=True).stdout
