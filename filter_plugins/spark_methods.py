@@ -572,9 +572,11 @@ def spark_method_variant(method: str, catalogue: Mapping, variants: Mapping) -> 
     return {"name": name, **dict(variants[name])}
 
 
-def spark_server_env(method: str, catalogue: Mapping, lm_head_int8=False) -> dict[str, str]:
-    """The environment every vLLM process of ``method`` needs: the catalogue's ``server_env`` and
-    ``SPARKLLM_LM_HEAD_INT8=1`` with the INT8 head (patch 0002 reads it where the model loads).
+def spark_server_env(method: str, catalogue: Mapping, lm_head_int8=False,
+                     extra: Mapping | None = None) -> dict[str, str]:
+    """The environment every vLLM process of ``method`` needs: the catalogue's ``server_env``,
+    ``SPARKLLM_LM_HEAD_INT8=1`` with the INT8 head (patch 0002 reads it where the model loads), and
+    ``extra`` (the owner's serve_container_env, for the Ray units; the server gets it as docker options).
 
     One source for the server container (serve's env template) and the Ray head and worker units
     (ray_cluster): with the Ray backend the model runs in Ray's processes, and vLLM copies to them only
@@ -585,12 +587,15 @@ def spark_server_env(method: str, catalogue: Mapping, lm_head_int8=False) -> dic
         raise ValueError(f"spec_method={method!r} is not a known method; set spec_method to one of: "
                          f"{_valid_methods(catalogue)}")
     env = {str(k): str(v) for k, v in (entry.get("server_env") or {}).items()}
-    if lm_head_int8 is True or (isinstance(lm_head_int8, str) and lm_head_int8.lower() in ("true", "1", "yes")):
+    if lm_head_int8 is True or (isinstance(lm_head_int8, str)
+                                and lm_head_int8.lower() in ("true", "1", "yes")):
         env["SPARKLLM_LM_HEAD_INT8"] = "1"
+    env.update({str(k): str(v) for k, v in (extra or {}).items()})
     for name, value in env.items():
         if not _ENV_NAME_RE.fullmatch(name) or not _ENV_VALUE_RE.fullmatch(value):
-            raise CatalogueError(f"method {method!r}: server_env {name}={value!r} must be an upper-case name "
-                                 f"and a plain value (letters, digits, _ . , : / = + -)")
+            raise CatalogueError(f"method {method!r}: server environment {name}={value!r} (server_env or "
+                                 f"serve_container_env) must be an upper-case name and a plain value "
+                                 f"(letters, digits, _ . , : / = + -)")
     return dict(sorted(env.items()))
 
 
