@@ -158,3 +158,15 @@ def test_hadolint_passes_on_every_variant(variant, buildkit, tmp_path):
 def test_hadolint_is_really_run(tmp_path):
     res = _hadolint("FROM ubuntu:latest\nRUN apt-get install curl\n", tmp_path)
     assert res.returncode != 0 and "DL3007" in res.stdout  # "Using latest is prone to errors"
+
+
+def test_runtime_carries_the_rdma_user_libraries():
+    # NCCL opens libibverbs (and the mlx5 provider, ibverbs-providers) for RoCE between two Sparks; without
+    # them it falls back to TCP sockets with one INFO line ("Failed to open libibverbs.so[.1]").
+    for variant in VARIANTS:
+        text = rendered(variant)
+        runtime = text[text.index("FROM base AS runtime"):text.index("FROM runtime AS patched")]
+        install = next(line for line in runtime.splitlines() if "apt-get install" in line)
+        assert "--no-install-recommends" in install
+        assert {"libibverbs1", "ibverbs-providers", "librdmacm1"} <= set(install.split())
+        assert "rm -rf /var/lib/apt/lists/*" in runtime
