@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 sys.path.insert(0, str(ROOT / "filter_plugins"))
 first_start = pytest.importorskip("first_start")  # imports e2e (yaml, numpy): both in the test venv
 
-FIXTURES = sorted((ROOT / "tests" / "fixtures" / "vllm_logs").glob("vllm-0.20.0-h200-*.log"))
+FIXTURES = sorted((ROOT / "tests" / "fixtures" / "vllm_logs").glob("vllm-0.20.0-h200-*.txt"))
 
 
 def phases_in_order(text: str) -> list[str]:
@@ -62,7 +62,7 @@ def test_fixture_header_and_phase_order(path):
 
 
 def test_spans_of_a_graph_start():
-    text = (ROOT / "tests/fixtures/vllm_logs/vllm-0.20.0-h200-graph-base-first-start.log").read_text()
+    text = (ROOT / "tests/fixtures/vllm_logs/vllm-0.20.0-h200-graph-base-first-start.txt").read_text()
     seen: dict[str, float] = {}
     for i, line in enumerate(text.splitlines()):
         first_start.phase_times(line, seen, float(i))
