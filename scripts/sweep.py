@@ -22,7 +22,8 @@ directory, and anything from ``--extra-vars``).
 Configuration hash: sha256 over the canonical JSON of {method, k, extra_vars}, first 16 hex
 digits.  Resume: a cell is skipped when the store already holds a *valid* run with the same
 configuration hash and repetition (invalid runs are retried).  The end: ``bench.py report`` on
-the results directory and the best configuration (highest median decode tok/s over valid runs);
+the results directory and the best configuration (highest median decode tok/s over valid runs at
+``--optimise-concurrency``, leaving out rows whose outputs differ from the baseline's);
 ``--leave-best`` reruns the serve stage for it.
 
 A failed cell is reported with the failing task, its host and its message (from ansible-runner's
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkllm import bench_report, bench_store
+from sparkllm import bench_analysis, bench_report, bench_store
 from sparkllm.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -302,6 +303,7 @@ class Sweep:
     playbook: str = "site.yml"
     quiet: bool = False
     charts: bool = True
+    optimise_concurrency: int = 1  # the level whose best row is "best" (bench_analysis.best_row)
 
     def cells(self) -> list[Cell]:
         return schedule(self.configs, self.repeats)
@@ -353,9 +355,8 @@ class Sweep:
             return
         res.report, stats = bench_report.make_report(self.results_dir, charts=self.charts)
         by_hash = {c.config_hash: c for c in self.configs}
-        ranked = [s for s in stats if s.config_hash in by_hash and s.decode["median"] is not None]
-        if ranked:
-            top = max(ranked, key=lambda s: s.decode["median"])
+        top = bench_analysis.best_row([s for s in stats if s.config_hash in by_hash], self.optimise_concurrency)
+        if top is not None:
             res.best, res.best_decode_median = by_hash[top.config_hash], top.decode["median"]
 
     def leave_best(self, best: CellConfig) -> RunOutcome:
@@ -381,7 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ansible inventory (any path)")
     p.add_argument("--results", default=str(REPO_ROOT / "results"),
                    help="results directory (store, report/, runner/)")
-    p.add_argument("--leave-best", action="store_true", help="rerun the serve stage for the best config")
+    p.add_argument("--leave-best", action="store_true",
+                   help="rerun the serve stage for the best config (valid runs, outputs same as baseline)")
+    p.add_argument("--optimise-concurrency", type=int, default=1,
+                   help="the concurrency level the best configuration is chosen at")
     p.add_argument("--extra-vars", default="{}", help="JSON object passed to every run")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -434,7 +438,8 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
         raise UsageError("no method can be swept with these settings (see above); pass --methods")
     known = list(settings.get("spark_method_catalogue") or {})
     sw = Sweep(expand_grid(methods, a.mtp_k, extra, known), a.repeats, Path(a.results).resolve(),
-               inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet)
+               inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet,
+               optimise_concurrency=a.optimise_concurrency)
     res = sw.run()
     print(f"ran {len(res.ran)}, skipped {len(res.skipped)} (already recorded), failed {len(res.failed)}")
     for cell, why in res.failed:

@@ -38,6 +38,7 @@ from sparkllm.bench_client import (
     stream_request,
 )
 from sparkllm.bench_common import DEFAULT_PROMPTS, SCRIPTS_DIR, utc_now
+from sparkllm.bench_depth import DEFAULT_TOLERANCE, at_depth, calibrate, salted_payload
 from sparkllm.bench_prometheus import (
     M_ACC_POS,
     M_ACCEPTED,
@@ -52,7 +53,6 @@ from sparkllm.bench_prometheus import (
     delta,
     restart_problem,
 )
-from sparkllm.bench_depth import DEFAULT_TOLERANCE, at_depth, calibrate, salted_payload
 from sparkllm.bench_prompts import Prompt, load_prompts
 from sparkllm.bench_stats import describe, fit_iid_acceptance
 from sparkllm.bench_telemetry import Telemetry
