@@ -355,7 +355,8 @@ class Sweep:
             return
         res.report, stats = bench_report.make_report(self.results_dir, charts=self.charts)
         by_hash = {c.config_hash: c for c in self.configs}
-        top = bench_analysis.best_row([s for s in stats if s.config_hash in by_hash], self.optimise_concurrency)
+        ours = [s for s in stats if s.config_hash in by_hash]
+        top = bench_analysis.best_row(ours, self.optimise_concurrency)
         if top is not None:
             res.best, res.best_decode_median = by_hash[top.config_hash], top.decode["median"]
 

@@ -75,7 +75,8 @@ def output_checks(stats: Sequence[Any], baseline: str, pair_runs: Any) -> list[d
     floors: dict[str, dict[str, Any] | None] = {}
     for m in stats:
         if m.base_label == baseline and len(m.runs) >= 2:
-            pairs = [compare(outputs(a.doc), outputs(b.doc)) for a, b in zip(m.runs, m.runs[1:], strict=False)]
+            pairs = [compare(outputs(a.doc), outputs(b.doc))
+                     for a, b in zip(m.runs, m.runs[1:], strict=False)]
             pairs = [p for p in pairs if p]
             if pairs:
                 floors[m.label] = {k: statistics.fmean(p[k] for p in pairs)
@@ -169,13 +170,16 @@ def tables(stats: Sequence[Any], baseline: str) -> list[str]:
     """Load, latency, depth, outputs, per-category acceptance and telemetry tables."""
     lines = ["", "## Load (each concurrency level is its own context: speedup vs the baseline at that level)",
              "", "| row | method | K | concurrency | input depth | per-stream decode tok/s median "
-             "| aggregate output tok/s | speedup vs baseline [95% CI] | outputs |", "|---|---|---|---|---|---|---|---|---|"]
+             "| aggregate output tok/s | speedup vs baseline [95% CI] | outputs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m in stats:
         c, sp = ctx(m), m.speedup
         speed = "1 (reference)" if m.base_label == baseline else ("-" if sp["gmean"] is None else (
-            f"{sp['gmean']:.3f}x" + (f" [{sp['ci95_low']:.3f}-{sp['ci95_high']:.3f}]" if sp["ci95_low"] else "")))
+            f"{sp['gmean']:.3f}x"
+            + (f" [{sp['ci95_low']:.3f}-{sp['ci95_high']:.3f}]" if sp["ci95_low"] else "")))
         lines.append(f"| {m.label} | {m.method} | {fmt(m.k)} | {c.get('concurrency') or 1} "
-                     f"| {c.get('input_depth') or '-'} | {fmt(m.decode['median'])} | {fmt(m.aggregate_tok_s)} "
+                     f"| {c.get('input_depth') or '-'} | {fmt(m.decode['median'])} "
+                     f"| {fmt(m.aggregate_tok_s)} "
                      f"| {speed} | {_outputs_cell(m, baseline)} |")
     lines += ["", "## Latency (p50 / p95 / p99 over the requests of the row; ITL: mean of the runs' "
               "inter-chunk percentiles)", "", "| row | TTFT s | TPOT ms | ITL ms |", "|---|---|---|---|"]
@@ -185,8 +189,10 @@ def tables(stats: Sequence[Any], baseline: str) -> list[str]:
         lines += ["", "## Context depth (prompt tokens as the server counted them)", "",
                   "| row | target depth | prompt tokens median | TTFT median s | prefill tok/s median "
                   "| decode tok/s median | acceptance rate |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {m.label} | {ctx(m)['input_depth']} | {fmt(m.prompt_tokens, 0)} | {fmt(m.ttft['median'], 3)} "
-                  f"| {fmt(m.prefill_tok_s, 0)} | {fmt(m.decode['median'])} | {fmt(m.acc_rate, 3)} |" for m in deep]
+        lines += [f"| {m.label} | {ctx(m)['input_depth']} | {fmt(m.prompt_tokens, 0)} "
+                  f"| {fmt(m.ttft['median'], 3)} "
+                  f"| {fmt(m.prefill_tok_s, 0)} | {fmt(m.decode['median'])} | {fmt(m.acc_rate, 3)} |"
+                  for m in deep]
     checked = [m for m in stats if m.outputs]
     if checked:
         lines += ["", f"## Outputs vs baseline (greedy; floor = baseline vs a second baseline run; marked "
@@ -195,7 +201,8 @@ def tables(stats: Sequence[Any], baseline: str) -> list[str]:
                   "| floor prefix | verdict |", "|---|---|---|---|---|---|---|"]
         for m in checked:
             o = m.outputs
-            lines.append(f"| {m.label} | {o['compared']} | {o['identical_share']:.2f} | {o['median_prefix_share']:.2f} "
+            lines.append(f"| {m.label} | {o['compared']} | {o['identical_share']:.2f} "
+                         f"| {o['median_prefix_share']:.2f} "
                          f"| {fmt(o['floor_identical_share'])} | {fmt(o['floor_median_prefix_share'])} "
                          f"| {OUTPUTS_DIFFER.upper() if o['differs'] else 'same as baseline'} |")
         if any(o.outputs["floor_identical_share"] is None for o in checked):

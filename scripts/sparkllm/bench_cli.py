@@ -45,7 +45,16 @@ from sparkllm.bench_common import (
 from sparkllm.bench_depth import DEFAULT_TOLERANCE, check_depths, served_max_len
 from sparkllm.bench_prompts import fetch_prompts, load_prompts
 from sparkllm.bench_runner import RunOptions, execute_run
-from sparkllm.bench_store import STORE_NAME, atomic_write_json, find_run, import_runs, open_store, store_run
+from sparkllm.bench_store import (
+    REQUEST_COLUMNS,
+    RUN_COLUMNS,
+    STORE_NAME,
+    atomic_write_json,
+    find_run,
+    import_runs,
+    open_store,
+    store_run,
+)
 from sparkllm.cli import HelpFormatter
 
 
@@ -61,7 +70,8 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
         ("decode tok/s token-weighted", fmt(s["token_weighted"]["decode_tok_s"])),
         ("TTFT median s", fmt(s["ttft_s"]["median"], 3)), ("TPOT median ms", fmt(s["tpot_ms"]["median"])),
         ("tokens/chunk median", fmt(s["tokens_per_chunk"]["median"])),
-        ("concurrency / input depth", f"{doc['meta'].get('concurrency')} / {doc['meta'].get('input_depth') or '-'}"),
+        ("concurrency / input depth",
+         f"{doc['meta'].get('concurrency')} / {doc['meta'].get('input_depth') or '-'}"),
         ("aggregate output tok/s", fmt(s["token_weighted"]["output_tok_s_wall"])),
         ("J per output token", fmt((doc.get("telemetry") or {}).get("j_per_output_token"), 3)),
         ("acceptance rate", fmt(sp["acceptance_rate"], 3)),
@@ -231,6 +241,40 @@ def cmd_fetch_prompts(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    """runs.csv (one line per run) and requests.csv (one per request, with its output) from a store."""
+    import csv
+    import io
+
+    from sparkllm.fileio import write_bytes_atomic
+    from sparkllm.outdir import OutputRefused, check_output_dir, write_marker
+
+    store = Path(a.dir)
+    if not (store / STORE_NAME).is_file():
+        raise UsageError(f"{store}: holds no {STORE_NAME}; pass the results store directory")
+    out = Path(a.out) if a.out else store / "export"
+    try:
+        check_output_dir(out, "bench.py export", flag="--out")
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
+    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, "bench.py export")
+    conn = open_store(store)
+    try:
+        tables = (("runs", [c for c in RUN_COLUMNS if c != "doc"]), ("requests", list(REQUEST_COLUMNS)))
+        for table, cols in tables:
+            buf = io.StringIO()
+            w = csv.writer(buf)
+            w.writerow(cols)
+            sql = f"SELECT {','.join(cols)} FROM {table} ORDER BY run_id"
+            w.writerows(tuple(r) for r in conn.execute(sql))
+            write_bytes_atomic(out / f"{table}.csv", buf.getvalue().encode("utf-8"))
+    finally:
+        conn.close()
+    print(f"wrote {out / 'runs.csv'} and {out / 'requests.csv'}")
+    return 0
+
+
 def cmd_report(a: argparse.Namespace) -> int:
     store = Path(a.dir)
     if not store.is_dir():
@@ -299,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--baseline", default="baseline", help="label of the baseline method")
     rep.add_argument("--no-charts", action="store_true", help="Markdown only")
     rep.set_defaults(func=cmd_report)
+    ex = parser("export", "every run and request of a store as CSV (runs.csv, requests.csv)")
+    ex.add_argument("dir", help="results store directory")
+    ex.add_argument("--csv", action="store_true", required=True, help="write CSV (the only format)")
+    ex.add_argument("--out", default=None, help="directory for the CSV files (default: DIR/export)")
+    ex.set_defaults(func=cmd_export)
     f = parser("fetch-prompts", "download + verify + convert an external prompt set")
     f.add_argument("--source", required=True, choices=("specbench",), help="prompt source")
     f.add_argument("--dest", required=True, help="converted JSONL file to write")

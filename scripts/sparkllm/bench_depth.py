@@ -99,7 +99,8 @@ class Calibration:
     tolerance: float
 
     def as_dict(self) -> dict[str, Any]:
-        return {"target_tokens": self.target, "words": self.words, "calibrated_prompt_tokens": self.prompt_tokens,
+        return {"target_tokens": self.target, "words": self.words,
+                "calibrated_prompt_tokens": self.prompt_tokens,
                 "tries": self.tries, "tolerance": self.tolerance, "filler_sha256": FILLER_SHA256}
 
 
@@ -128,5 +129,6 @@ def check_depths(depths: list[int], max_tokens: int, max_len: int | None) -> Non
         return
     over = [d for d in depths if d + max_tokens > max_len]
     if over:
-        raise UsageError(f"--depth {','.join(map(str, over))}: with --max-tokens {max_tokens} above the served "
+        raise UsageError(f"--depth {','.join(map(str, over))}: with --max-tokens {max_tokens} above "
+                         f"the served "
                          f"maximum of {max_len} tokens; pass depths up to {max_len - max_tokens}")

@@ -78,7 +78,8 @@ RUN_COLUMNS = ("run_id", "label", "method", "config_hash", "repetition", "valid"
                "tokens_per_chunk_median", "acceptance_rate", "mean_acceptance_length",
                "effective_tokens_per_step", "doc", "input_depth", "output_tok_s_aggregate",
                "j_per_output_token", "warnings")
-REQUEST_COLUMNS = ("run_id", "idx", "prompt_id", "category", "repeat", "ok", "error", "output_tokens", "chunks",
+REQUEST_COLUMNS = ("run_id", "idx", "prompt_id", "category", "repeat", "ok", "error", "output_tokens",
+                   "chunks",
                    "ttft_s", "decode_s", "e2e_s", "decode_tok_s", "tpot_ms", "tokens_per_chunk",
                    "prompt_tokens", "prefill_tok_s", "output_sha256", "output_text")
 
@@ -143,7 +144,8 @@ def record_output_checks(conn: sqlite3.Connection, checks: Sequence[dict[str, An
         conn.executemany(
             "INSERT OR REPLACE INTO output_checks VALUES (?,?,?,?,?,?,?,?,?)",
             [(c["run_id"], c.get("baseline_run_id"), c.get("compared"), c.get("identical_share"),
-              c.get("median_prefix_share"), c.get("floor_identical_share"), c.get("floor_median_prefix_share"),
+              c.get("median_prefix_share"), c.get("floor_identical_share"),
+              c.get("floor_median_prefix_share"),
               int(bool(c["differs"])), utc_now()) for c in checks])
 
 

@@ -108,10 +108,12 @@ def summarise(samples: list[dict[str, Any]], output_tokens: int, have_smi: bool,
     if temps:
         out["temp_c_max"] = max(temps)
         if max(temps) >= THROTTLE_TEMP_C:
-            out["warnings"].append(f"temperature reached {max(temps):g} C (throttle point {THROTTLE_TEMP_C:g} C)")
+            out["warnings"].append(f"temperature reached {max(temps):g} C "
+                                   f"(throttle point {THROTTLE_TEMP_C:g} C)")
     if clocks:
         lo, hi = min(clocks), max(clocks)
         out["sm_clock_mhz_min"], out["sm_clock_mhz_max"] = lo, hi
         if hi > 0 and lo < CLOCK_DROP * hi:
-            out["warnings"].append(f"SM clock dropped to {lo:g} MHz from {hi:g} MHz during the measured phase")
+            out["warnings"].append(f"SM clock dropped to {lo:g} MHz from {hi:g} MHz "
+                                   "during the measured phase")
     return out

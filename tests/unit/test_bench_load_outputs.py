@@ -63,7 +63,8 @@ def test_fast_garbled_method_is_flagged_and_never_best(tmp_path: Path) -> None:
     garbled = Config(model="m", step_time=0.003, spec=True, method="dflash", k=2, pattern=(2,), garble=True)
     store = _store(tmp_path, [("baseline", base, 1), ("mtp-k2", good, 1), ("dflash-k2", garbled, 1),
                               ("baseline", base, 2)])
-    docs = [json.loads(r[0]) for r in sqlite3.connect(store / "results.sqlite").execute("SELECT doc FROM runs")]
+    db = sqlite3.connect(store / "results.sqlite")
+    docs = [json.loads(r[0]) for r in db.execute("SELECT doc FROM runs")]
     assert all(len(q["output_sha256"]) == 64 and q["output_text"] for d in docs for q in d["requests"])
     path, stats = bench_report.make_report(store, charts=False)
     rows = {m.label: m for m in stats}
@@ -76,6 +77,12 @@ def test_fast_garbled_method_is_flagged_and_never_best(tmp_path: Path) -> None:
     md = path.read_text()
     rec = md.split("## Recommendation")[1].split("##")[0]
     assert "**Single stream**: `mtp-k2`" in rec and "`dflash-k2`" in rec and "outputs differ" in rec
+    assert bench.main(["export", str(store), "--csv", "--out", str(tmp_path / "csv")]) == 0
+    import csv
+    runs_csv = list(csv.DictReader((tmp_path / "csv" / "runs.csv").open()))
+    reqs_csv = list(csv.DictReader((tmp_path / "csv" / "requests.csv").open()))
+    assert len(runs_csv) == 4 and len(reqs_csv) == sum(len(d["requests"]) for d in docs)
+    assert all(len(r["output_sha256"]) == 64 for r in reqs_csv)
     checks = dict(sqlite3.connect(store / "results.sqlite").execute(
         "SELECT r.label, c.differs FROM output_checks c JOIN runs r USING (run_id)").fetchall())
     assert checks == {"mtp-k2": 0, "dflash-k2": 1}
@@ -164,7 +171,8 @@ def test_version_1_store_is_migrated(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / bench_store.STORE_NAME)
     conn.executescript(bench_store.MIGRATIONS[0][2])
     conn.execute("PRAGMA user_version = 1")
-    conn.execute("INSERT INTO runs (run_id, label, valid, problems, doc) VALUES ('old', 'baseline', 1, '[]', '{}')")
+    conn.execute("INSERT INTO runs (run_id, label, valid, problems, doc) "
+                 "VALUES ('old', 'baseline', 1, '[]', '{}')")
     conn.commit()
     conn.close()
     conn = bench_store.open_store(tmp_path)
