@@ -409,7 +409,8 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
         series: dict[str, list[tuple[int, float | None, float | None]]] = {}
         for m in stats:
             c = json.loads(m.context)
-            name = f"{m.base_label}" + (f" d={c['input_depth']}" if c.get("input_depth") else "")
+            name = (f"{m.base_label}" + (f" d={c['input_depth']}" if c.get("input_depth") else "")
+                    + (" [outputs differ]" if m.differs else ""))
             point = (c.get("concurrency") or 1, m.decode["median"], m.aggregate_tok_s)
             series.setdefault(name, []).append(point)
         for j, (name, pts) in enumerate(sorted(series.items())):
