@@ -24,7 +24,8 @@ def sizes(max_num_seqs: int, k: int, max_num_batched_tokens: int) -> dict:
     cc = CompilationConfig()
     fake = SimpleNamespace(
         model_config=SimpleNamespace(enforce_eager=False), compilation_config=cc,
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_num_batched_tokens),
         speculative_config=SimpleNamespace(num_speculative_tokens=k) if k else None, num_speculative_tokens=k,
         performance_mode="balanced", parallel_config=SimpleNamespace(tensor_parallel_size=1),
         update_sizes_for_sequence_parallelism=lambda s: s)
@@ -38,8 +39,8 @@ def sizes(max_num_seqs: int, k: int, max_num_batched_tokens: int) -> dict:
 
 def main() -> int:
     reqs = json.loads(sys.stdin.read())
-    print("CUDAGRAPH_PROBE_RESULT " + json.dumps([sizes(r["max_num_seqs"], r["k"], r["max_num_batched_tokens"])
-                                                  for r in reqs]))
+    answers = [sizes(r["max_num_seqs"], r["k"], r["max_num_batched_tokens"]) for r in reqs]
+    print("CUDAGRAPH_PROBE_RESULT " + json.dumps(answers))
     return 0
 
 

@@ -28,8 +28,9 @@ ROOT = CONTRACT_DIR.parents[1]
 def _probe(requests: list[dict], overlay: Path | None) -> list[dict]:
     paths = ([str(overlay)] if overlay else []) + [str(CONTRACT_DIR)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    proc = subprocess.run([sys.executable, str(CONTRACT_DIR / "cudagraph_probe.py")], input=json.dumps(requests),
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run([sys.executable, str(CONTRACT_DIR / "cudagraph_probe.py")],
+                          input=json.dumps(requests), env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CUDAGRAPH_PROBE_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1].split(" ", 1)[1])
@@ -44,12 +45,14 @@ def _cases(catalogue: dict, variant: str) -> list[tuple[str, dict]]:
         spec = spark_speculative_config(s, catalogue) or {}
         out.append((method, {"max_num_seqs": SETTING_DEFAULTS["vllm_max_num_seqs"],
                              "k": int(spec.get("num_speculative_tokens", 0)),
-                             "max_num_batched_tokens": entry["serve_flags"].get("max_num_batched_tokens", 8192)}))
+                             "max_num_batched_tokens": entry["serve_flags"].get("max_num_batched_tokens",
+                                                                                  8192)}))
     return out
 
 
 @pytest.mark.parametrize("variant", ["v0_19_1", "v0_26_dflash"])
-def test_default_max_num_seqs_captures_every_methods_full_decode_step(vllm_module, catalogue, variants, variant):
+def test_default_max_num_seqs_captures_every_methods_full_decode_step(vllm_module, catalogue, variants,
+                                                                      variant):
     if variant not in variants:
         pytest.skip(f"no variant {variant} in group_vars")
     version = variants[variant]["version"]
