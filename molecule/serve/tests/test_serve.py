@@ -230,7 +230,10 @@ def test_failing_method_rolls_back_to_ngram(host):
     assert "First EngineCore traceback (journalctl -u sparkllm-vllm-mtp.service" in fail
     cause = r"^\s*torch\.OutOfMemoryError: stand-in: CUDA out of memory \(STANDIN_FAIL=1\)$"
     assert re.search(cause, fail, re.M)
-    assert "Engine core initialization failed" not in fail
+    # the post-mortem's traceback is the EngineCore's, not the API server's that follows it (the wait's own
+    # "Cause:" may quote the API server's last lines: that is the phase's tail, not the post-mortem)
+    postmortem = fail[fail.index("First EngineCore traceback"):]
+    assert "Engine core initialization failed" not in postmortem
     assert re.search(r"Memory at the failure \(/proc/meminfo\): MemTotal [\d.]+ GiB, MemAvailable", fail)
     assert TOKEN not in res.output
     _assert_only_active(host, "ngram")
@@ -272,9 +275,10 @@ def test_a_slow_start_whose_log_advances_is_not_killed(host):
     assert res.rc == 0, res.output[-3000:]
     pos = [res.output.find(p) for p in PHASE_LINES]
     assert -1 not in pos and pos == sorted(pos), pos
+    out = " ".join(res.output.split())  # the callback wraps a long msg over lines
     took = re.search(r"sparkllm-vllm-ngram\.service ready after (\d+) s: start \d+ s, engine (\d+) s, "
                      r"weights (\d+) s, compile (\d+) s, kv_cache \d+ s, cuda_graphs (\d+) s, api \d+ s",
-                     res.output)
+                     out)
     assert took, res.output[-3000:]
     assert int(took.group(1)) > 20  # beyond the old fixed 20 x 1 s window, yet not stopped
     assert all(5 <= int(took.group(i)) <= 9 for i in (3, 4, 5)), took.group(0)  # the 6 s phases
