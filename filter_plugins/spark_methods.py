@@ -54,7 +54,7 @@ SETTING_DEFAULTS: dict[str, object] = {
     "vllm_enable_auto_tool_choice": True,
     "vllm_tool_call_parser": "qwen3_coder",
     "vllm_enable_prefix_caching": False,
-    "vllm_max_num_seqs": None,
+    "vllm_max_num_seqs": 4,
     "vllm_load_format": "",
     "vllm_lm_head_int8": False,
     "vllm_serve_extra_args": [],

@@ -615,7 +615,9 @@ def test_max_num_seqs_and_load_format(catalogue, load_format):
     assert opt(argv, "--max-num-seqs") == "8"
     assert opt(argv, "--load-format") == load_format
     default = spark_serve_argv(settings(), catalogue)
-    assert "--max-num-seqs" not in default and "--load-format" not in default
+    # one-user default (issue 22): 4 sequences, not vLLM's 1024; null leaves the flag out
+    assert opt(default, "--max-num-seqs") == "4" and "--load-format" not in default
+    assert "--max-num-seqs" not in spark_serve_argv(settings(vllm_max_num_seqs=None), catalogue)
 
 
 # ---- spark_bad_driver_enforce_eager: a 590.x driver accepted by preflight serves every method eager
