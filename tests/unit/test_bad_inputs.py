@@ -315,6 +315,6 @@ def test_every_option_help_names_its_default(name: str, parser: argparse.Argumen
             continue
         help_text = " ".join(parser._get_formatter()._expand_help(action).split())
         assert "default" in help_text, f"{name} {action.option_strings[0]}: {help_text!r}"
-        # argparse wraps help with textwrap, which may break a long path at a hyphen ("ci-clone" -> "ci- clone"):
-        # compare with every whitespace removed, so the check does not depend on where the checkout lives
+        # argparse's textwrap may break a long path at a hyphen ("ci-clone" -> "ci- clone"): compare
+        # with all whitespace removed, so the check does not depend on where the checkout lives
         assert "".join(help_text.split()) in "".join(text.split())
