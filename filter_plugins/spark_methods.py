@@ -55,7 +55,7 @@ SETTING_DEFAULTS: dict[str, object] = {
     "vllm_tool_call_parser": "qwen3_coder",
     "vllm_enable_prefix_caching": False,
     "vllm_max_num_seqs": 4,
-    "vllm_load_format": "",
+    "vllm_load_format": "fastsafetensors",
     "vllm_lm_head_int8": False,
     "vllm_serve_extra_args": [],
     "spark_bad_driver_enforce_eager": False,

@@ -196,7 +196,7 @@ ROWS = [
         lambda w: "prompt file"),
     Row("bench run: --concurrency 0", "bench.py",
         lambda w: ["run", "--base-url", "http://127.0.0.1:8000", "--model", "m", "--label", "x",
-                   "--out", str(w.root / "r"), "--concurrency", "0"], 2, lambda w: "need --concurrency >= 1"),
+                   "--out", str(w.root / "r"), "--concurrency", "0"], 2, lambda w: "--concurrency '0': need distinct integers >= 1"),
     Row("bench run: --out an existing file", "bench.py",
         lambda w: ["run", "--base-url", "http://127.0.0.1:8000", "--model", "m", "--label", "x",
                    "--out", str(w.file)], 2, lambda w: "exists and is not a directory"),

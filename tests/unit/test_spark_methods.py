@@ -616,7 +616,7 @@ def test_max_num_seqs_and_load_format(catalogue, load_format):
     assert opt(argv, "--load-format") == load_format
     default = spark_serve_argv(settings(), catalogue)
     # one-user default (issue 22): 4 sequences, not vLLM's 1024; null leaves the flag out
-    assert opt(default, "--max-num-seqs") == "4" and "--load-format" not in default
+    assert opt(default, "--max-num-seqs") == "4" and opt(default, "--load-format") == "fastsafetensors"
     assert "--max-num-seqs" not in spark_serve_argv(settings(vllm_max_num_seqs=None), catalogue)
 
 
