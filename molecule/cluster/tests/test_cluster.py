@@ -300,7 +300,8 @@ print(json.dumps(ray.get(probe.remote(sys.argv[3:]), timeout=120)))
 
 
 def test_the_servers_environment_reaches_a_ray_worker_on_the_other_node(head, worker):
-    names = ["SPARKLLM_LM_HEAD_INT8", "VLLM_USE_V2_MODEL_RUNNER", "SPARKLLM_TEST_OWNER_ENV"]
+    names = ["SPARKLLM_LM_HEAD_INT8", "VLLM_USE_V2_MODEL_RUNNER", "SPARKLLM_TEST_OWNER_ENV",
+             "CUDA_CACHE_MAXSIZE"]
     head.check_output(f"cat > /tmp/worker_env.py <<'EOF'\n{_WORKER_ENV_SNIPPET}EOF")
     # a clean driver environment: whatever the task reports comes from the worker node's Ray unit
     out = head.check_output(f"env -i PATH=/usr/bin:/bin /opt/sparkllm/ray-venv/bin/python /tmp/worker_env.py "
@@ -308,7 +309,7 @@ def test_the_servers_environment_reaches_a_ray_worker_on_the_other_node(head, wo
     got = json.loads(out.strip().splitlines()[-1])
     assert got["ip"] == WORKER_IP
     assert got["env"] == {"SPARKLLM_LM_HEAD_INT8": "1", "VLLM_USE_V2_MODEL_RUNNER": "1",
-                          "SPARKLLM_TEST_OWNER_ENV": "cluster"}
+                          "SPARKLLM_TEST_OWNER_ENV": "cluster", "CUDA_CACHE_MAXSIZE": "4294967296"}
     unit = worker.file("/etc/systemd/system/sparkllm-ray-worker.service").content_string
     assert "Environment=SPARKLLM_LM_HEAD_INT8=1" in unit
 

@@ -103,8 +103,11 @@ def test_container_runs_with_host_ipc_network_and_mounts(host):
     binds = set(hc["Binds"])
     assert "/tmp/molecule-serve/model:/model:ro" in binds
     for sub, path in [("vllm", "/root/.cache/vllm"), ("flashinfer", "/root/.cache/flashinfer"),
-                      ("triton", "/root/.triton"), ("huggingface", "/root/.cache/huggingface")]:
+                      ("triton", "/root/.triton"), ("huggingface", "/root/.cache/huggingface"),
+                      ("nv", "/root/.nv")]:
         assert f"/tmp/molecule-serve/cache/{sub}:{path}" in binds
+    # the CUDA driver's JIT cache (~/.nv/ComputeCache) is the host's, sized for an image's PTX-only kernels
+    assert "CUDA_CACHE_MAXSIZE=4294967296" in _inspect(host, "mtp")["Config"]["Env"]
 
 
 @pytest.mark.parametrize("method", METHODS)
