@@ -50,7 +50,7 @@ def unpinned(dockerfile: str) -> list[str]:
     problems = []
     for image in re.findall(r"(?m)^FROM\s+(?:--platform=\S+\s+)?(\S+)", dockerfile):
         stages = re.findall(r"(?m)^FROM\s+\S+\s+AS\s+(\w+)", dockerfile)
-        if image in stages:
+        if image in stages or image == "scratch":  # scratch is the empty image, nothing to pin
             continue
         if not (re.search(r"@sha256:[0-9a-f]{64}$", image) or re.search(r":[^/:@]*\d+\.\d+[^/:@]*$", image)):
             problems.append(f"base image {image} has neither a version tag nor a digest")
@@ -85,16 +85,17 @@ def test_dockerfile_renders_for_every_variant(variant, buildkit, install):
     text = rendered(variant, buildkit=buildkit, install=install)
     conf = VARIANTS[variant]
     assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
-        (ctx(variant)["vllm_build_base_image"], "base"), ("base", "build"), ("base", "runtime"),
-        ("runtime", "patched")]
+        (ctx(variant)["vllm_build_base_image"], "base"), ("base", "build"),
+        *([("base", "compile_log_copy"), ("scratch", "compile_log")] if buildkit and install == "source" else []),
+        ("base", "runtime"), ("runtime", "patched")]
     build = text.split("FROM base AS build")[1].split("FROM base AS runtime")[0]
     if install == "source":
         assert f"git checkout --detach {conf['ref']}" in build
         assert f"SETUPTOOLS_SCM_PRETEND_VERSION={conf['version']}" in build
         assert ("RUN --mount=type=cache,target=/root/.cache/ccache" in text) == buildkit
-        assert "pip wheel" in build
+        assert "| tee /opt/sparkllm/build-logs/compile.log" in build
     else:
-        assert "git clone" not in build and "pip wheel" not in build
+        assert "git clone" not in build and "pip wheel" not in build and "compile.log" not in build
         name = conf["wheel"]["url"].rsplit("/", 1)[1]
         assert f"-d /opt/sparkllm/wheels {conf['wheel']['url']}" in build
         assert f'echo "{conf["wheel"]["sha256"]}  /opt/sparkllm/wheels/{name}" | sha256sum -c -' in build
@@ -208,3 +209,35 @@ def test_hadolint_passes_on_every_variant(variant, buildkit, install, tmp_path):
 def test_hadolint_is_really_run(tmp_path):
     res = _hadolint("FROM ubuntu:latest\nRUN apt-get install curl\n", tmp_path)
     assert res.returncode != 0 and "DL3007" in res.stdout  # "Using latest is prone to errors"
+
+
+def test_runtime_carries_the_rdma_user_libraries():
+    # NCCL opens libibverbs (and the mlx5 provider, ibverbs-providers) for RoCE between two Sparks; without
+    # them it falls back to TCP sockets with one INFO line ("Failed to open libibverbs.so[.1]").
+    for variant in VARIANTS:
+        text = rendered(variant)
+        runtime = text[text.index("FROM base AS runtime"):text.index("FROM runtime AS patched")]
+        install = next(line for line in runtime.splitlines() if "apt-get install" in line)
+        assert "--no-install-recommends" in install
+        assert {"libibverbs1", "ibverbs-providers", "librdmacm1"} <= set(install.split())
+        assert "rm -rf /var/lib/apt/lists/*" in runtime
+
+
+@pytest.mark.parametrize("buildkit", [True, False])
+def test_the_compile_keeps_its_whole_log_and_ends_with_its_tail(buildkit):
+    """Issue 22 item 7: BuildKit clips a step's output (its per-stream size and speed limits live in the
+    daemon, not settable from the client), so the compile tees its whole output into a file that outlives a
+    failed step (a cache mount the compile_log stage copies out) and prints its own tail on stderr after a
+    marker the role looks for."""
+    text = rendered("v0_19_1", buildkit=buildkit)
+    compile_step = text.split("FROM base AS build", 1)[1].split("pip wheel", 1)[1].split("\nFROM ", 1)[0]
+    assert "2>&1 | tee /opt/sparkllm/build-logs/compile.log" in compile_step
+    assert 'echo "SPARKLLM-COMPILE-FAILED: rc=$rc; its last lines:" >&2' in compile_step
+    tail = 'tail -n 40 /opt/sparkllm/build-logs/compile.log | tail -c 262144 >&2; exit "$rc"'
+    assert tail in compile_step
+    assert 'echo "SPARKLLM-COMPILE-DONE"' in compile_step
+    mount = ("--mount=type=cache,id=sparkllm-compile-log-v0_19_1,target=/opt/sparkllm/build-logs,"
+             "sharing=locked")
+    assert text.count(mount) == (2 if buildkit else 0)  # the compile and the stage that copies the log out
+    assert ("FROM scratch AS compile_log" in text) == buildkit
+    assert "CCACHE_MAXSIZE=20G" in text
