@@ -34,7 +34,8 @@ FAMILIES = {
     "Marlin MoE dispatch (marlin_moe_wna16/ops.cu)": ("MARLIN_MOE_OTHER_ARCHS", None),
     "FP8 scaled_mm / block GEMM, CUTLASS SM120 (scaled_mm_c3x_sm120)": ("SCALED_MM_ARCHS", "12."),
     "CUTLASS MoE data (grouped GEMM set-up)": ("CUTLASS_MOE_DATA_ARCHS", None),
-    "MoE routing kernels (topk, align, sum) and attention/cache kernels of _C; FA2 target": ("CUDA_ARCHS", None),
+    "MoE routing kernels (topk, align, sum) and attention/cache kernels of _C; FA2 target":
+        ("CUDA_ARCHS", None),
 }
 
 
@@ -97,7 +98,8 @@ def selection_script(cmakelists: str, utils: Path, cuda_flags: str, nvcc_version
         f'set(CMAKE_CUDA_COMPILER_VERSION "{nvcc_version}")',
         'set(VLLM_TARGET_DEVICE "cuda")', 'set(VLLM_GPU_LANG "CUDA")', "set(CUDA_FOUND TRUE)",
         # operands of conditions that do not choose architectures (torch/ROCm version warnings)
-        'set(Torch_VERSION "0")', 'set(TORCH_SUPPORTED_VERSION_CUDA "0")', 'set(TORCH_SUPPORTED_VERSION_ROCM "0")',
+        'set(Torch_VERSION "0")', 'set(TORCH_SUPPORTED_VERSION_CUDA "0")',
+        'set(TORCH_SUPPORTED_VERSION_ROCM "0")',
         'set(ROCM_VERSION_DEV_MAJOR "0")',
         f'set(CMAKE_CUDA_FLAGS "{cuda_flags}")',
     ]
@@ -107,10 +109,13 @@ def selection_script(cmakelists: str, utils: Path, cuda_flags: str, nvcc_version
         elif name in KEEP:
             out.append(stmt)
             m = re.match(r'\w+\s*\(\s*(\w+)\s+("[^"]*")?', stmt)
-            if name in ("cuda_archs_loose_intersection", "cuda_archs_sm90plus", "extract_unique_cuda_archs_ascending"):
-                var, src = m.group(1), (m.group(2) or '""').strip('"') if name != "extract_unique_cuda_archs_ascending" else ""
+            if name in ("cuda_archs_loose_intersection", "cuda_archs_sm90plus",
+                        "extract_unique_cuda_archs_ascending"):
+                var = m.group(1)
+                src = (m.group(2) or '""').strip('"') if name != "extract_unique_cuda_archs_ascending" else ""
                 if name == "cuda_archs_loose_intersection" and not m.group(2):
-                    src = re.sub(r"\s+", "", stmt.split(None, 1)[1].rsplit('"${CUDA_ARCHS}"', 1)[0].split(var, 1)[1])
+                    rest = stmt.split(None, 1)[1].rsplit('"${CUDA_ARCHS}"', 1)[0]
+                    src = re.sub(r"\s+", "", rest.split(var, 1)[1])
                 out.append(f'message("VLLMARCH|{line}|{var}|{src.replace(chr(36), "")}|${{{var}}}")')
     return "\n".join(out) + "\n"
 
@@ -135,7 +140,8 @@ def _run(cmake: str, script: str) -> str:
 
 
 def run_selection(cmake: str, source: Path, cuda_flags: str) -> list[Selection]:
-    script = selection_script((source / "CMakeLists.txt").read_text(), source / "cmake" / "utils.cmake", cuda_flags)
+    script = selection_script((source / "CMakeLists.txt").read_text(), source / "cmake" / "utils.cmake",
+                              cuda_flags)
     sels = []
     for row in _run(cmake, script).splitlines():
         if row.startswith("VLLMARCH|"):
@@ -175,7 +181,8 @@ def family_table(sels: list[Selection]) -> dict[str, dict[str, str]]:
             table[family] = {"archs": "", "gb10": "not in this release", "line": ""}
             continue
         last = hits[-1]
-        table[family] = {"archs": ";".join(last.result), "gb10": gb10_code(last.result), "line": str(last.line)}
+        table[family] = {"archs": ";".join(last.result), "gb10": gb10_code(last.result),
+                         "line": str(last.line)}
     return table
 
 

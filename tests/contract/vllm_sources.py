@@ -96,7 +96,8 @@ def main(argv: list[str]) -> int:
     versions = argv or sorted(pins())
     unknown = [v for v in versions if v not in pins()]
     if unknown:
-        print(f"vllm_sources: no pin for {', '.join(unknown)} in {PINS}; add its url and sha256", file=sys.stderr)
+        print(f"vllm_sources: no pin for {', '.join(unknown)} in {PINS}; add its url and sha256",
+              file=sys.stderr)
         return 2
     for v in versions:
         try:

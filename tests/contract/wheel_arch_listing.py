@@ -11,7 +11,8 @@ tests/contract/test_build_arch_contract.py compares it with the CMake table of t
 cuobjdump comes from the `nvidia-cuda-cuobjdump` wheel (any host architecture: it reads the fatbins).
 Each wheel is downloaded only when it is not in --wheel-dir already, and its sha256 must match the pin
 of its variant (spark_vllm_variants.<variant>.wheel in group_vars/all/methods.yml).
-readelf (binutils) names the CUDA runtime each library links. Exit status: 0 written, 1 a download, hash or cuobjdump failed, 2 usage.
+readelf (binutils) names the CUDA runtime each library links.
+Exit status: 0 written, 1 a download, hash or cuobjdump failed, 2 usage.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def functions_by_arch(cuobjdump: str, lib: Path, mode: str) -> dict[str, list[st
     flag = "--dump-resource-usage" if mode == "sass" else "--dump-ptx"
     out = subprocess.run([cuobjdump, flag, str(lib)], capture_output=True, text=True, check=False)
     if out.returncode != 0 and "does not contain" not in out.stderr:
-        raise SystemExit(f"wheel_arch_listing: cuobjdump {flag} {lib.name} failed: {out.stderr.strip()[:300]}")
+        raise SystemExit(f"wheel_arch_listing: cuobjdump {flag} {lib.name} failed: "
+                         f"{out.stderr.strip()[:300]}")
     found: dict[str, list[str]] = {}
     arch = None
     for line in out.stdout.splitlines():
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     variants = yaml.safe_load((ROOT / "group_vars/all/methods.yml").read_text())["spark_vllm_variants"]
     result = {}
-    for name, conf in sorted(variants.items()):
+    for _name, conf in sorted(variants.items()):
         wheel = conf.get("wheel")
         if not wheel:
             continue

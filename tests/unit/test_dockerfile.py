@@ -86,7 +86,8 @@ def test_dockerfile_renders_for_every_variant(variant, buildkit, install):
     conf = VARIANTS[variant]
     assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
         (ctx(variant)["vllm_build_base_image"], "base"), ("base", "build"),
-        *([("base", "compile_log_copy"), ("scratch", "compile_log")] if buildkit and install == "source" else []),
+        *([("base", "compile_log_copy"), ("scratch", "compile_log")]
+          if buildkit and install == "source" else []),
         ("base", "runtime"), ("runtime", "patched")]
     build = text.split("FROM base AS build")[1].split("FROM base AS runtime")[0]
     if install == "source":
