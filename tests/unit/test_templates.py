@@ -397,6 +397,7 @@ def dockerfile_ctx(extra_prs: list[dict]) -> dict[str, Any]:
         "version": "0.20.0",
         "extra_prs": extra_prs,
         "base_image": ctx["vllm_build_base_image"],
+        "build_requirements": ["requirements/build.txt"],  # that release's own path (spark_vllm_variants)
         "toolchain": methods["spark_vllm_variants"]["v0_26_dflash"]["toolchain"],
     }
     return ctx

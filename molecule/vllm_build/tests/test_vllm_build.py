@@ -205,7 +205,7 @@ def test_dflash_is_refused_on_a_019_only_configuration(host, extra):
     [
         (
             {"vllm_build_test_fake_arch": "sm_120a"},
-            ["no sm_121 code in", "_C.abi3.so", "architectures found: sm_120a", "collapse 12.1a to 12.0"],
+            ["no sm_121a code in", "_C.abi3.so", "architectures found: sm_120a", "collapse 12.1a to 12.0"],
         ),
         ({"vllm_build_test_torch_cuda": "12.8"}, ["torch reports CUDA '12.8'", "cu130"]),
         (
