@@ -43,7 +43,9 @@ def _our_tags(host) -> set[str]:
 
 
 def _with_patch_dir(name: str) -> dict:
-    return {"vllm_build_variant_overrides": {"v0_19_1": {"patch_dir": str(FILES / "patches" / name)}}}
+    # extra vars replace the host's whole override dict: keep its build_patches (the stand-in has no CMake)
+    return {"vllm_build_variant_overrides": {"v0_19_1": {"patch_dir": str(FILES / "patches" / name),
+                                                         "build_patches": []}}}
 
 
 def _flat(text: str) -> str:
