@@ -11,7 +11,6 @@ tests/contract/setup_vllm_env.sh runs it as `python tests/contract/vllm_sources.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from sparkllm.fileio import sha256_file  # noqa: E402  (the project's one sha256 of a file)
+
 PINS = Path(__file__).resolve().parent / "data" / "vllm_sdists.json"
 CACHE = ROOT / ".cache"
 # prefixes (inside vllm-<version>/) the contract reads
@@ -34,26 +36,19 @@ def pins() -> dict[str, dict[str, str]]:
     return json.loads(PINS.read_text())
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def sdist(version: str) -> Path:
     """The pinned sdist of ``version`` in .cache/vllm-sdist (downloaded when missing or wrong)."""
     pin = pins()[version]
     dest = CACHE / "vllm-sdist" / pin["url"].rsplit("/", 1)[1]
-    if dest.exists() and _sha256(dest) == pin["sha256"]:
+    if dest.exists() and sha256_file(dest) == pin["sha256"]:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, suffix=".part")
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(pin["url"], timeout=120) as resp:  # noqa: S310
             shutil.copyfileobj(resp, out, 1 << 20)
-        got = _sha256(Path(tmp))
+        got = sha256_file(Path(tmp))
         if got != pin["sha256"]:
             raise RuntimeError(f"{pin['url']} has sha256 {got}, {PINS.name} pins {pin['sha256']}: "
                                "PyPI served other bytes; check the pin against the simple index")

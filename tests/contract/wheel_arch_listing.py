@@ -18,7 +18,6 @@ Exit status: 0 written, 1 a download, hash or cuobjdump failed, 2 usage.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -32,16 +31,12 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from sparkllm.fileio import sha256_file  # noqa: E402  (the project's one sha256 of a file)
+
 DEFAULT_OUT = ROOT / "tests" / "contract" / "data" / "wheel_archs.json"
 MARLIN = re.compile(r"marlin", re.IGNORECASE)
 
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fetch(url: str, sha256: str, dest_dir: Path) -> Path:
@@ -53,7 +48,7 @@ def fetch(url: str, sha256: str, dest_dir: Path) -> Path:
             while block := resp.read(1 << 20):
                 out.write(block)
         os.replace(tmp, dest)
-    got = sha256_of(dest)
+    got = sha256_file(dest)
     if got != sha256:
         raise SystemExit(f"wheel_arch_listing: {dest} has sha256 {got}, the pin says {sha256}; "
                          "delete it or fix the pin")
@@ -117,7 +112,7 @@ def list_wheel(cuobjdump: str, wheel: Path) -> dict:
             if desc["sass"] or desc["ptx"]:
                 libs[member] = desc
             os.unlink(Path(tmp) / member)
-    return {"filename": wheel.name, "sha256": sha256_of(wheel), "libraries": libs}
+    return {"filename": wheel.name, "sha256": sha256_file(wheel), "libraries": libs}
 
 
 def main(argv: list[str] | None = None) -> int:
