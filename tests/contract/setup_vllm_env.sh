@@ -11,7 +11,10 @@
 #    .venv-vllm to ask its own `vllm serve` parser and SpeculativeConfig about the dflash arguments. A second full environment (torch 2.11, another ~11 GB and ~5 min)
 #    would buy nothing more: without a GPU only the parser and config classes can be exercised.
 #
-# Idempotent: when both exist it exits in about a second.
+# 3-5. CMake, the pinned vLLM sdists and FlashInfer wheels, and pip's dry-run resolution of every variant's
+#    installs (below).
+#
+# Idempotent: when everything exists it exits in a few seconds.
 #
 # Usage: tests/contract/setup_vllm_env.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
 # Env:   PYTHON (default python3.11), VLLM_VERSION (0.19.1), VLLM_OVERLAY_VERSIONS ("0.20.0 0.26.0";
@@ -89,5 +92,12 @@ else
   "${venv}/bin/python" -m pip install --quiet --progress-bar off "cmake==${cmake_version}"
 fi
 "${venv}/bin/python" "${repo_root}/tests/contract/vllm_sources.py"
+# 4. The flashinfer-python wheel of every variant (data/flashinfer_packages.json, sha256-checked; the AOT step's
+#    contract reads its aot.py, jit/ and file list from .cache/flashinfer-src/<V>): 8 + 15 MB, once.
+"${venv}/bin/python" "${repo_root}/tests/contract/flashinfer_sources.py"
+# 5. pip's dry-run resolution of what each variant's image installs, for Linux aarch64 / CPython 3.12
+#    (tests/contract/resolve_requirements.py): about a minute per install set the first time (HTTP range
+#    reads of each wheel's METADATA), then cached in .cache/pip-resolve/ by the sha256 of every input.
+"${venv}/bin/python" "${repo_root}/tests/contract/resolve_requirements.py"
 
 echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}" | cut -f1)"

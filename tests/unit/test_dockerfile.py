@@ -242,3 +242,88 @@ def test_the_compile_keeps_its_whole_log_and_ends_with_its_tail(buildkit):
     assert text.count(mount) == (2 if buildkit else 0)  # the compile and the stage that copies the log out
     assert ("FROM scratch AS compile_log" in text) == buildkit
     assert "CCACHE_MAXSIZE=20G" in text
+
+
+def _aot_run(text: str) -> str:
+    """The FlashInfer AOT RUN instruction of a rendered Dockerfile, as the shell command it runs."""
+    start = text.index('RUN site=$(python3 -c "import sysconfig')
+    parts = []
+    for line in text[start + 4:].splitlines():  # Docker joins a line ending in a backslash with the next
+        parts.append(line[:-1] if line.endswith("\\") else line)
+        if not line.endswith("\\"):
+            break
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("install", INSTALLS)
+def test_flashinfer_kernels_are_built_ahead_of_time_in_the_runtime_stage(variant, install):
+    """Issue 22 item 4: FlashInfer's own AOT build for the arch list, after vLLM (and so FlashInfer) is
+    installed, into flashinfer/data/aot (where FlashInfer looks before it JIT-compiles), before the
+    patches."""
+    c = ctx(variant)
+    text = rendered(variant, install=install)
+    runtime = text[text.index("FROM base AS runtime"):text.index("FROM runtime AS patched")]
+    aot = runtime.index("python3 -m flashinfer.aot")
+    assert runtime.index("pip install /opt/sparkllm/wheels/vllm-*.whl") < aot
+    base = text.split("FROM base AS build")[0]
+    assert f"FLASHINFER_CUDA_ARCH_LIST={c['vllm_build_cuda_arch_list']}" in base
+    cmd = _aot_run(text)
+    want = ('python3 -m flashinfer.aot --out-dir "$site/flashinfer/data/aot" --build-dir /tmp/flashinfer-aot '
+            f"{' '.join(c['vllm_build_flashinfer_aot_args'])};")
+    assert want in " ".join(cmd.split())
+    assert "MAX_JOBS=${MAX_JOBS}" in cmd and "ARG MAX_JOBS=1" in runtime
+    off = {**ctx(variant, install=install), "vllm_build_from_source": False,
+           "vllm_build_flashinfer_aot": False}
+    assert "flashinfer.aot" not in render("Dockerfile.j2", **off)
+
+
+def _fake_python(tmp_path: Path, site: Path, rc: int) -> dict:
+    """A python3 on PATH: prints `site` for sysconfig, and as `-m flashinfer.aot` checks that the source-tree
+    layout aot.py reads resolves into flashinfer/data, writes one module into --out-dir, exits `rc`."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "python3"
+    script.write_text(f"""#!/bin/bash
+if [ "$1" = -c ]; then echo "{site}"; exit 0; fi
+[ "$1 $2" = "-m flashinfer.aot" ] || exit 99
+for p in csrc/x.cu include/x.h 3rdparty/cutlass/include/x.h 3rdparty/spdlog/include/x.h; do
+  [ -f "{site}/$p" ] || {{ echo "missing $p" >&2; exit 98; }}
+done
+mkdir -p "$4/spec" && touch "$4/spec/spec.so"
+echo "jobs=$MAX_JOBS"
+exit {rc}
+""")
+    script.chmod(0o755)
+    data = site / "flashinfer" / "data"
+    for p in ("csrc/x.cu", "include/x.h", "cutlass/include/x.h", "spdlog/include/x.h"):
+        (data / p).parent.mkdir(parents=True, exist_ok=True)
+        (data / p).write_text("")
+    return {"PATH": f"{bindir}:/usr/bin:/bin", "MAX_JOBS": "6"}
+
+
+@pytest.mark.parametrize("rc", [0, 3])
+def test_the_aot_step_builds_into_the_package_and_removes_only_its_links(tmp_path, rc):
+    site = tmp_path / "site-packages"
+    env = _fake_python(tmp_path, site, rc)
+    res = subprocess.run(["bash", "-o", "pipefail", "-c", _aot_run(rendered("v0_19_1"))], env=env,
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == rc, res.stdout + res.stderr
+    assert sorted(p.name for p in site.iterdir()) == ["flashinfer"]  # the links are gone either way
+    assert (site / "flashinfer" / "data" / "csrc" / "x.cu").is_file()  # their targets are not
+    if rc == 0:
+        assert "jobs=6" in res.stdout and "FlashInfer AOT: 1 modules for 12.1a" in res.stdout
+    else:
+        assert f"SPARKLLM-FLASHINFER-AOT-FAILED: python -m flashinfer.aot rc={rc}" in res.stderr
+
+
+def test_the_aot_step_refuses_a_site_packages_entry_it_did_not_create(tmp_path):
+    site = tmp_path / "site-packages"
+    env = _fake_python(tmp_path, site, 0)
+    (site / "include").mkdir()
+    (site / "include" / "theirs.h").write_text("kept")
+    res = subprocess.run(["bash", "-o", "pipefail", "-c", _aot_run(rendered("v0_19_1"))], env=env,
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 1 and "include exists, not ours to replace" in res.stderr
+    assert (site / "include" / "theirs.h").read_text() == "kept"
+    assert not (site / "csrc").exists()
