@@ -214,7 +214,8 @@ def rate_table(stats: Sequence[Any], baseline: str) -> list[str]:
     rows = {m.label: m for m in stats}
     lines = ["", "## Request rate (open loop: Poisson arrivals; each rate is its own context, compared with "
              "the baseline at that rate; goodput = requests meeting every target)", "",
-             "| row | method | K | offered req/s | completed req/s | requests | targets | goodput share "
+             "| row | method | K | offered req/s (schedule's own) | completed req/s | requests | targets "
+             "| goodput share "
              "| goodput req/s | goodput vs baseline | TTFT p50 / p99 s | TPOT p50 / p99 ms | outputs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in rated:
@@ -226,6 +227,7 @@ def rate_table(stats: Sequence[Any], baseline: str) -> list[str]:
               else f"{g / b:.2f}x" if g is not None and b else "-")
         share = r.get("goodput_share")
         lines.append(f"| {m.label} | {m.method} | {fmt(m.k)} | {c['request_rate']:g} "
+                     f"({fmt(r.get('offered_rate_req_s'))}) "
                      f"| {fmt(r.get('completed_rate_req_s'))} | {r.get('requests')} "
                      f"| {_targets(c.get('goodput_targets'))} "
                      f"| {fmt(100 * share, 0) + ' %' if share is not None else '-'} | {fmt(g)} | {vs} "

@@ -472,7 +472,7 @@ def _goodput_chart(plt: Any, rated: list[MethodStats], out: Path) -> bool:
                 + (" [outputs differ]" if m.differs else ""))
         series.setdefault(name, []).append((float(c["request_rate"]), g or 0.0))
     top = max(p[0] for pts in series.values() for p in pts)
-    ax.plot([0, top], [0, top], color="grey", lw=1, ls=":", label="every request meets the targets")
+    ax.plot([0, top], [0, top], color="grey", lw=1, ls=":", label="offered rate (nominal)")
     for j, (name, pts) in enumerate(sorted(series.items())):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j % 10}", label=name)

@@ -132,7 +132,7 @@ def test_each_rate_pairs_with_its_baseline_in_store_report_and_csv(tmp_path: Pat
     assert bench_analysis.best_row(stats, 1) is None  # rate rows never stand in for a concurrency level
     md = path.read_text()
     table = md.split("## Request rate")[1].split("\n## ")[0]
-    assert "| mtp-k2 r=100 | mtp | 2 | 100 |" in table and "ttft <= 200 ms" in table
+    assert "| mtp-k2 r=100 | mtp | 2 | 100 (" in table and "ttft <= 200 ms" in table
     assert "## Load" not in md  # no closed-loop rows
     assert "100 requests/s offered" in md.split("## Recommendation")[1].split("\n## ")[0]
     assert (path.parent / "goodput_vs_rate.png").stat().st_size > 5000
