@@ -2,7 +2,8 @@
 """Method sweep (controller): serve + bench every configuration, interleaved, resumable.
 
     sweep.py [--methods baseline,ngram,mtp,...] [--mtp-k 1,2,4] [--repeats N]
-             [--inventory INV] [--results DIR] [--leave-best] [--extra-vars JSON]
+             [--concurrency 1,2,4] [--request-rate 0.5,1,2 --goodput ttft=2000ms,tpot=100ms]
+             [--inventory INV] [--results DIR] [--leave-best [--optimise-rate R]] [--extra-vars JSON]
 
 Methods: by default, the catalogue's methods (group_vars/all/methods.yml) whose requirements are met
 by the settings (group_vars/all/*.yml overlaid with --extra-vars): every knob in the method's
@@ -21,12 +22,22 @@ repetition index.  Each cell drives ``site.yml`` through ansible-runner with tag
 ``bench_repetition``, ``bench_config_hash`` (plus ``bench_results_dir``, the controller results
 directory, and anything from ``--extra-vars``).
 
-Configuration hash: sha256 over the canonical JSON of {method, k, extra_vars}, first 16 hex
-digits.  Resume: a cell is skipped when the store already holds a *valid* run with the same
-configuration hash and repetition (invalid runs are retried).  The end: ``bench.py report`` on
-the results directory and the best configuration (highest median decode tok/s over valid runs at
-``--optimise-concurrency``, leaving out rows whose outputs differ from the baseline's);
-``--leave-best`` reruns the serve stage for it.
+Load points: every cell measures each concurrency level of ``--concurrency`` (closed loop) and each
+rate of ``--request-rate`` (open loop, Poisson arrivals, goodput against ``--goodput``), at each depth
+of ``--depth`` (they set bench_concurrency, bench_request_rate, bench_goodput and bench_depth; given
+in ``--extra-vars`` instead they mean the same). With ``--request-rate`` and no ``--concurrency`` only
+rates are measured.
+
+Configuration hash: sha256 over the canonical JSON of {method, k, extra_vars without the load-point
+lists (LOAD_POINT_VARS)}, first 16 hex digits: one served configuration, whatever loads it is
+measured at.  Resume: a load point of a cell is done when the store holds a *valid* run with the
+same configuration hash, repetition, concurrency level (or request rate) and depth (invalid runs are
+retried); a cell whose points are all done is skipped, a cell with some done runs only the missing
+levels, rates and depths (with bench_force, since the bench role's own check knows only the hash and
+repetition).  The end: ``bench.py report`` on the results directory and the best configuration
+(highest median decode tok/s over valid runs at ``--optimise-concurrency``, or the highest goodput at
+``--optimise-rate``, leaving out rows whose outputs differ from the baseline's); ``--leave-best``
+reruns the serve stage for it.
 
 A failed cell is reported with the failing task, its host and its message (from ansible-runner's
 events); the runner's artifacts (stdout, events) are kept under ``DIR/runner/<label>-rep<N>-<time>/``.
@@ -54,12 +65,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkllm import bench_analysis, bench_report, bench_store
+from sparkllm import bench_analysis, bench_cli, bench_rate, bench_report, bench_store
 from sparkllm.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETTINGS_DIR = REPO_ROOT / "group_vars" / "all"
 RUNNER_DIRNAME = "runner"  # ansible-runner artifacts of every cell, under the results directory
+# the bench role's load-point lists: what a cell is measured at, not what is served (not in the hash)
+LOAD_POINT_VARS = ("bench_concurrency", "bench_request_rate", "bench_depth")
 
 
 class UsageError(Exception):
@@ -114,7 +127,8 @@ class CellConfig:
 
     @property
     def config_hash(self) -> str:
-        body = {"method": self.method, "k": self.k, "extra_vars": json.loads(self.extra_vars_json)}
+        ev = {k: v for k, v in json.loads(self.extra_vars_json).items() if k not in LOAD_POINT_VARS}
+        body = {"method": self.method, "k": self.k, "extra_vars": ev}
         canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
@@ -271,17 +285,67 @@ def schedule(configs: Sequence[CellConfig], repeats: int) -> list[Cell]:
     return [Cell(c, rep) for rep in range(1, repeats + 1) for c in configs]
 
 
-def recorded_cells(results_dir: Path) -> set[tuple[str, int]]:
-    """(config_hash, repetition) of the valid runs in the store."""
+# a load point: (concurrency level or None, request rate or None, input depth; 0 = the prompt set as it is)
+Point = tuple[int | None, float | None, int]
+
+
+def _rate_key(r: Any) -> float | None:
+    return None if r is None else round(float(r), 6)
+
+
+@dataclass(frozen=True)
+class LoadPoints:
+    """What every cell is measured at (the bench role's lists)."""
+
+    concurrency: tuple[int, ...] = (1,)
+    rates: tuple[float, ...] = ()
+    depths: tuple[int, ...] = (0,)
+
+    @property
+    def points(self) -> list[Point]:
+        return ([(c, None, d) for d in self.depths for c in self.concurrency]
+                + [(None, _rate_key(r), d) for d in self.depths for r in self.rates])
+
+    @staticmethod
+    def of(points: Iterable[Point]) -> dict[str, str]:
+        """The bench role's lists that measure ``points`` (the levels, rates and depths they name)."""
+        pts = list(points)
+        levels = sorted({c for c, _, _ in pts if c is not None})
+        rates = sorted({r for _, r, _ in pts if r is not None})
+        return {"bench_concurrency": ",".join(str(c) for c in levels),
+                "bench_request_rate": ",".join(f"{r:g}" for r in rates),
+                "bench_depth": ",".join(str(d) for d in sorted({d for *_, d in pts}))}
+
+
+def load_points(settings: dict[str, Any]) -> LoadPoints:
+    """The load points from the settings (extra vars over group_vars; the role's defaults otherwise)."""
+    try:
+        conc_text = str(settings.get("bench_concurrency", "1") or "")
+        rate_text = str(settings.get("bench_request_rate", "") or "")
+        conc = bench_cli.int_list(conc_text, "--concurrency", 1) if conc_text else []
+        rates = bench_rate.rate_list(rate_text) if rate_text else []
+        depths = bench_cli.int_list(str(settings.get("bench_depth", "0") or "0"), "--depth", 0)
+        bench_rate.parse_goodput(str(settings.get("bench_goodput", "") or "") or None)
+    except bench_cli.UsageError as exc:
+        raise UsageError(str(exc)) from None
+    if not conc and not rates:
+        raise UsageError("no load point: pass --concurrency and/or --request-rate (e.g. --concurrency 1)")
+    return LoadPoints(tuple(conc), tuple(rates), tuple(depths))
+
+
+def recorded_cells(results_dir: Path) -> set[tuple[str, int, int | None, float | None, int]]:
+    """(config_hash, repetition, concurrency, request rate, input depth) of the valid runs in the store."""
     if not (results_dir / bench_store.STORE_NAME).exists():
         return set()
     conn = bench_store.open_store(results_dir)
     try:
-        rows = conn.execute("SELECT config_hash, repetition FROM runs WHERE valid = 1 "
-                            "AND config_hash IS NOT NULL AND repetition IS NOT NULL").fetchall()
+        rows = conn.execute("SELECT config_hash, repetition, concurrency, request_rate, input_depth "
+                            "FROM runs WHERE valid = 1 AND config_hash IS NOT NULL "
+                            "AND repetition IS NOT NULL").fetchall()
     finally:
         conn.close()
-    return {(r[0], int(r[1])) for r in rows}
+    return {(r[0], int(r[1]), None if r[3] is not None else int(r[2] or 1), _rate_key(r[3]),
+             int(r[4] or 0)) for r in rows}
 
 
 class Reporter:
@@ -342,14 +406,26 @@ class Sweep:
     quiet: bool = False
     charts: bool = True
     optimise_concurrency: int = 1  # the level whose best row is "best" (bench_analysis.best_row)
+    optimise_rate: float | None = None  # or the offered rate whose best row is "best" (best_rate_row)
+    load: LoadPoints = field(default_factory=LoadPoints)
+
+    def missing(self, cell: Cell, done: set[tuple[str, int, int | None, float | None, int]]) -> list[Point]:
+        """The load points of this cell that the store holds no valid run for."""
+        key = (cell.config.config_hash, cell.repetition)
+        return [p for p in self.load.points if (*key, *p) not in done]
 
     def cells(self) -> list[Cell]:
         return schedule(self.configs, self.repeats)
 
-    def request(self, cell: Cell, tags: str = "serve,bench") -> RunRequest:
+    def request(self, cell: Cell, tags: str = "serve,bench", only: list[Point] | None = None) -> RunRequest:
+        """The runner call for a cell; ``only``: measure just these load points (a partly done cell)."""
         ident = f"{cell.config.label}-rep{cell.repetition}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        return RunRequest(self.project_dir, self.playbook, tags,
-                          cell.config.extravars(cell.repetition, self.results_dir), self.inventory,
+        ev = cell.config.extravars(cell.repetition, self.results_dir)
+        if tags != "serve":
+            ev.update(LoadPoints.of(only if only is not None else self.load.points))
+            if only is not None and len(only) < len(self.load.points):
+                ev["bench_force"] = True  # the role's own lookup keys on hash + repetition only
+        return RunRequest(self.project_dir, self.playbook, tags, ev, self.inventory,
                           artifact_dir=self.results_dir / RUNNER_DIRNAME,
                           ident=re.sub(r"[^\w.-]", "_", ident))
 
@@ -364,14 +440,15 @@ class Sweep:
         res = SweepResult()
         todo = []
         for cell in self.cells():
-            (res.skipped if (cell.config.config_hash, cell.repetition) in done else todo).append(cell)
+            (todo if self.missing(cell, done) else res.skipped).append(cell)
         rep = Reporter(len(todo), self.quiet)
         try:
             for cell in todo:
                 rep.start(cell)
-                outcome = self.runner(self.request(cell))
+                outcome = self.runner(self.request(cell, only=self.missing(cell, done)))
                 self._import()
-                recorded = (cell.config.config_hash, cell.repetition) in recorded_cells(self.results_dir)
+                done = recorded_cells(self.results_dir)
+                recorded = not self.missing(cell, done)
                 if outcome.ok and recorded:
                     res.ran.append(cell)
                     rep.finish(cell, "ok")
@@ -394,7 +471,8 @@ class Sweep:
         res.report, stats = bench_report.make_report(self.results_dir, charts=self.charts)
         by_hash = {c.config_hash: c for c in self.configs}
         ours = [s for s in stats if s.config_hash in by_hash]
-        top = bench_analysis.best_row(ours, self.optimise_concurrency)
+        top = (bench_analysis.best_rate_row(ours, self.optimise_rate) if self.optimise_rate is not None
+               else bench_analysis.best_row(ours, self.optimise_concurrency))
         if top is not None:
             res.best, res.best_decode_median = by_hash[top.config_hash], top.decode["median"]
 
@@ -428,6 +506,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rerun the serve stage for the best config (valid runs, outputs same as baseline)")
     p.add_argument("--optimise-concurrency", type=int, default=1,
                    help="the concurrency level the best configuration is chosen at")
+    p.add_argument("--optimise-rate", type=float, default=None,
+                   help="choose the best configuration at this offered request rate instead (highest "
+                        "goodput); one of --request-rate (default: none, choose at --optimise-concurrency)")
+    p.add_argument("--concurrency", default=None,
+                   help="concurrency levels every cell is measured at, e.g. 1,2,4 (default 1; sets "
+                        "bench_concurrency)")
+    p.add_argument("--request-rate", default=None,
+                   help="offered request rates (Poisson arrivals, req/s) every cell is measured at, e.g. "
+                        "0.5,1,2 (sets bench_request_rate; without --concurrency only rates are measured; "
+                        "default: none)")
+    p.add_argument("--goodput", default=None,
+                   help="goodput targets of the rate runs, e.g. ttft=2000ms,tpot=100ms (sets bench_goodput; "
+                        "default: none)")
+    p.add_argument("--depth", default=None, help="input depths, e.g. 0,8192 (sets bench_depth; default: 0)")
     p.add_argument("--extra-vars", default="{}", help="JSON object passed to every run")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -471,7 +563,17 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
     if a.inventory and "," not in a.inventory and not Path(a.inventory).exists():  # "host1,host2," is a list
         raise UsageError(f"--inventory {a.inventory}: no such file; pass your inventory "
                          "(e.g. a copy of inventory/examples/remote-spark.yml)")
+    for flag, var in (("concurrency", "bench_concurrency"), ("request_rate", "bench_request_rate"),
+                      ("goodput", "bench_goodput"), ("depth", "bench_depth")):
+        if getattr(a, flag) is not None:
+            extra[var] = getattr(a, flag)
+    if a.request_rate is not None and a.concurrency is None and "bench_concurrency" not in extra:
+        extra["bench_concurrency"] = ""  # rates only
     settings = {**load_settings(), **extra}
+    load = load_points(settings)
+    if a.optimise_rate is not None and _rate_key(a.optimise_rate) not in {_rate_key(r) for r in load.rates}:
+        raise UsageError(f"--optimise-rate {a.optimise_rate:g}: not one of the measured rates "
+                         f"({','.join(f'{r:g}' for r in load.rates) or 'none: pass --request-rate'})")
     methods, notes = choose_methods(a.methods, settings)
     for m, why in notes.items():
         verb = "may fail" if m in methods else "left out"
@@ -482,7 +584,7 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
     ks = parse_k(a.k, settings.get("spark_method_catalogue") or {})
     sw = Sweep(expand_grid(methods, a.mtp_k, extra, known, ks), a.repeats, Path(a.results).resolve(),
                inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet,
-               optimise_concurrency=a.optimise_concurrency)
+               optimise_concurrency=a.optimise_concurrency, optimise_rate=a.optimise_rate, load=load)
     res = sw.run()
     print(f"ran {len(res.ran)}, skipped {len(res.skipped)} (already recorded), failed {len(res.failed)}")
     for cell, why in res.failed:

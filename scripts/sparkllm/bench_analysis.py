@@ -12,7 +12,10 @@
   row (concurrency 1, the smallest input depth measured) by median decode tok/s, and the best row at each
   concurrency level (by per-stream median decode tok/s, which at one level orders rows as their aggregate
   does), each with the 95 % interval of its run medians and of its speedup. ``best_row`` is the rule the
-  sweep's ``--leave-best`` uses.
+  sweep's ``--leave-best`` uses. Rows of request-rate runs (open loop, no concurrency level) never take
+  part in it; at each offered rate ``best_rate_row`` picks the highest goodput (requests/s meeting every
+  target; without targets the completed rate), then the highest median decode tok/s
+  (``--optimise-rate``).
 """
 
 from __future__ import annotations
@@ -115,16 +118,38 @@ def eligible(stats: Sequence[Any]) -> list[Any]:
     return [m for m in stats if not getattr(m, "differs", False) and m.decode["median"] is not None]
 
 
-def best_row(stats: Sequence[Any], concurrency: int = 1) -> Any | None:
-    """The row to recommend (and leave serving) at a concurrency level: valid runs only (the rows hold
-    nothing else), outputs not differing, the smallest input depth measured at that level, the highest
-    median per-stream decode tok/s."""
-    at = [m for m in eligible(stats) if (ctx(m).get("concurrency") or 1) == concurrency]
+def is_rate(m: Any) -> bool:
+    return ctx(m).get("request_rate") is not None
+
+
+def _smallest_depth(at: list[Any]) -> list[Any]:
+    depth = min(ctx(m).get("input_depth") or 0 for m in at)
+    return [m for m in at if (ctx(m).get("input_depth") or 0) == depth]
+
+
+def best_rate_row(stats: Sequence[Any], rate: float) -> Any | None:
+    """The row to recommend at an offered request rate: eligible rows of that rate, the smallest depth,
+    the highest goodput req/s (completed req/s without targets), then the highest median decode tok/s."""
+    at = [m for m in eligible(stats) if is_rate(m) and float(ctx(m)["request_rate"]) == float(rate)]
     if not at:
         return None
-    depth = min(ctx(m).get("input_depth") or 0 for m in at)
-    at = [m for m in at if (ctx(m).get("input_depth") or 0) == depth]
-    return max(at, key=lambda m: m.decode["median"])
+
+    def key(m: Any) -> tuple[float, float]:
+        r = m.rate or {}
+        g = r.get("goodput_req_s") if r.get("goodput_req_s") is not None else r.get("completed_rate_req_s")
+        return (g or 0.0, m.decode["median"] or 0.0)
+
+    return max(_smallest_depth(at), key=key)
+
+
+def best_row(stats: Sequence[Any], concurrency: int = 1) -> Any | None:
+    """The row to recommend (and leave serving) at a concurrency level: valid runs only (the rows hold
+    nothing else), outputs not differing, closed-loop rows (not request-rate ones), the smallest input
+    depth measured at that level, the highest median per-stream decode tok/s."""
+    at = [m for m in eligible(stats) if not is_rate(m) and (ctx(m).get("concurrency") or 1) == concurrency]
+    if not at:
+        return None
+    return max(_smallest_depth(at), key=lambda m: m.decode["median"])
 
 
 def _interval(m: Any) -> str:
@@ -141,7 +166,7 @@ def _interval(m: Any) -> str:
 
 def recommendation_lines(stats: Sequence[Any]) -> list[str]:
     lines = ["## Recommendation", ""]
-    levels = sorted({ctx(m).get("concurrency") or 1 for m in stats})
+    levels = sorted({ctx(m).get("concurrency") or 1 for m in stats if not is_rate(m)})
     excluded = [m.label for m in stats if getattr(m, "differs", False)]
     if not eligible(stats):
         lines.append("No configuration can be recommended: no valid run whose outputs match the baseline.")
@@ -154,10 +179,61 @@ def recommendation_lines(stats: Sequence[Any]) -> list[str]:
         agg = fmt(m.aggregate_tok_s)
         lines.append(f"- **{what}**: `{m.label}`, {fmt(m.decode['median'])} tok/s per stream "
                      f"({_interval(m)}), {agg} tok/s aggregate.")
+    for rate in sorted({float(ctx(m)["request_rate"]) for m in stats if is_rate(m)}):
+        m = best_rate_row(stats, rate)
+        what = f"{rate:g} requests/s offered (Poisson arrivals)"
+        if m is None:
+            lines.append(f"- **{what}**: none eligible.")
+            continue
+        lines.append(f"- **{what}**: `{m.label}`, {_goodput_words(m)}, "
+                     f"{fmt(m.decode['median'])} tok/s per stream.")
     if excluded:
         lines.append(f"- Not recommended whatever their speed ({OUTPUTS_DIFFER}): "
                      + ", ".join(f"`{x}`" for x in excluded) + ".")
     lines.append("- Invalid runs are never counted (listed at the end).")
+    return lines
+
+
+def _targets(t: dict[str, float] | None) -> str:
+    return ", ".join(f"{k} <= {v:g} ms" for k, v in (t or {}).items()) or "none"
+
+
+def _goodput_words(m: Any) -> str:
+    r = m.rate or {}
+    if r.get("goodput_req_s") is None:
+        return f"{fmt(r.get('completed_rate_req_s'))} requests/s completed (no goodput targets)"
+    return (f"goodput {fmt(r['goodput_req_s'])} requests/s ({fmt(100 * (r.get('goodput_share') or 0), 0)} % "
+            f"meeting {_targets(ctx(m).get('goodput_targets'))})")
+
+
+def rate_table(stats: Sequence[Any], baseline: str) -> list[str]:
+    """Request-rate rows: offered and completed rate, goodput share and rate, latency tails."""
+    rated = [m for m in stats if is_rate(m)]
+    if not rated:
+        return []
+    rows = {m.label: m for m in stats}
+    lines = ["", "## Request rate (open loop: Poisson arrivals; each rate is its own context, compared with "
+             "the baseline at that rate; goodput = requests meeting every target)", "",
+             "| row | method | K | offered req/s (schedule's own) | completed req/s | requests | targets "
+             "| goodput share "
+             "| goodput req/s | goodput vs baseline | TTFT p50 / p99 s | TPOT p50 / p99 ms | outputs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in rated:
+        r, c = m.rate or {}, ctx(m)
+        base = rows.get(m.baseline_row) if m.baseline_row else None
+        b = (base.rate or {}).get("goodput_req_s") if base is not None else None
+        g = r.get("goodput_req_s")
+        vs = ("1 (reference)" if m.base_label == baseline
+              else f"{g / b:.2f}x" if g is not None and b else "-")
+        share = r.get("goodput_share")
+        lines.append(f"| {m.label} | {m.method} | {fmt(m.k)} | {c['request_rate']:g} "
+                     f"({fmt(r.get('offered_rate_req_s'))}) "
+                     f"| {fmt(r.get('completed_rate_req_s'))} | {r.get('requests')} "
+                     f"| {_targets(c.get('goodput_targets'))} "
+                     f"| {fmt(100 * share, 0) + ' %' if share is not None else '-'} | {fmt(g)} | {vs} "
+                     f"| {fmt(m.ttft.get('median'), 3)} / {fmt(m.ttft.get('p99'), 3)} "
+                     f"| {fmt(m.tpot.get('median'))} / {fmt(m.tpot.get('p99'))} "
+                     f"| {_outputs_cell(m, baseline)} |")
     return lines
 
 
@@ -168,11 +244,12 @@ def _p(d: dict[str, Any] | None, nd: int = 2) -> str:
 
 def tables(stats: Sequence[Any], baseline: str) -> list[str]:
     """Load, latency, depth, outputs, per-category acceptance and telemetry tables."""
+    closed = [m for m in stats if not is_rate(m)]
     lines = ["", "## Load (each concurrency level is its own context: speedup vs the baseline at that level)",
              "", "| row | method | K | concurrency | input depth | per-stream decode tok/s median "
              "| aggregate output tok/s | speedup vs baseline [95% CI] | outputs |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for m in stats:
+             "|---|---|---|---|---|---|---|---|---|"] if closed else []
+    for m in closed:
         c, sp = ctx(m), m.speedup
         speed = "1 (reference)" if m.base_label == baseline else ("-" if sp["gmean"] is None else (
             f"{sp['gmean']:.3f}x"
@@ -181,6 +258,7 @@ def tables(stats: Sequence[Any], baseline: str) -> list[str]:
                      f"| {c.get('input_depth') or '-'} | {fmt(m.decode['median'])} "
                      f"| {fmt(m.aggregate_tok_s)} "
                      f"| {speed} | {_outputs_cell(m, baseline)} |")
+    lines += rate_table(stats, baseline)
     lines += ["", "## Latency (p50 / p95 / p99 over the requests of the row; ITL: mean of the runs' "
               "inter-chunk percentiles)", "", "| row | TTFT s | TPOT ms | ITL ms |", "|---|---|---|---|"]
     lines += [f"| {m.label} | {_p(m.ttft, 3)} | {_p(m.tpot)} | {_p(m.itl)} |" for m in stats]

@@ -3,7 +3,9 @@
 Subcommands
 -----------
 ``run``           (on the Spark; STANDARD LIBRARY ONLY) stream chat completions, scrape /metrics,
-                  write ``DIR/<run-id>.json`` and append to ``DIR/results.sqlite``.
+                  write ``DIR/<run-id>.json`` and append to ``DIR/results.sqlite``; one run per
+                  concurrency level (closed loop) or per request rate (``--request-rate``: open-loop
+                  Poisson arrivals, seeded; goodput against ``--goodput`` targets), and per depth.
 ``import``        (controller) merge run JSON files into a store directory, idempotently.
 ``lookup``        (controller) print the valid run stored for a configuration hash + repetition.
 ``report``        (controller; matplotlib imported lazily) Markdown report + PNG charts.
@@ -44,6 +46,7 @@ from sparkllm.bench_common import (
 )
 from sparkllm.bench_depth import DEFAULT_TOLERANCE, check_depths, served_max_len
 from sparkllm.bench_prompts import fetch_prompts, load_prompts
+from sparkllm.bench_rate import parse_goodput, rate_list
 from sparkllm.bench_runner import RunOptions, execute_run
 from sparkllm.bench_store import (
     REQUEST_COLUMNS,
@@ -71,7 +74,8 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
         ("TTFT median s", fmt(s["ttft_s"]["median"], 3)), ("TPOT median ms", fmt(s["tpot_ms"]["median"])),
         ("tokens/chunk median", fmt(s["tokens_per_chunk"]["median"])),
         ("concurrency / input depth",
-         f"{doc['meta'].get('concurrency')} / {doc['meta'].get('input_depth') or '-'}"),
+         f"{doc['meta'].get('concurrency') or '-'} / {doc['meta'].get('input_depth') or '-'}"),
+        *_rate_rows(doc),
         ("aggregate output tok/s", fmt(s["token_weighted"]["output_tok_s_wall"])),
         ("J per output token", fmt((doc.get("telemetry") or {}).get("j_per_output_token"), 3)),
         ("acceptance rate", fmt(sp["acceptance_rate"], 3)),
@@ -82,6 +86,20 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}", file=out)
+
+
+def _rate_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    rate, gp = doc["meta"].get("rate") or {}, doc["summary"].get("goodput")
+    rows = []
+    if rate:
+        rows.append(("request rate offered / completed req/s",
+                     f"{fmt(rate.get('request_rate'))} / {fmt(rate.get('completed_rate_req_s'))} "
+                     f"({rate.get('arrivals')} arrivals, seed {rate.get('arrival_seed')})"))
+    if gp:
+        targets = ",".join(f"{k}={v:g}ms" for k, v in gp["targets_ms"].items())
+        rows.append((f"goodput ({targets})", f"{gp['met']}/{gp['requests']} requests, "
+                                              f"{fmt(gp['rate_req_s'])} req/s"))
+    return rows
 
 
 def _read_meta(arg: str | None) -> dict[str, Any]:
@@ -160,9 +178,33 @@ def int_list(text: str, flag: str, lo: int) -> list[int]:
     return vals
 
 
+def _rate_args(a: argparse.Namespace) -> tuple[list[float | None], int | None, float | None]:
+    """(rates or [None], --num-requests, --duration); UsageError for a combination that means nothing."""
+    if a.request_rate is None:
+        for flag, v in (("--num-requests", a.num_requests), ("--duration", a.duration)):
+            if v is not None:
+                raise UsageError(f"{flag} applies to a request-rate run only; add --request-rate, e.g. "
+                                 "--request-rate 0.5,1,2")
+        return [None], None, None
+    rates: list[float | None] = list(rate_list(a.request_rate))
+    if a.concurrency is not None:
+        raise UsageError("--request-rate with --concurrency: a rate run is open-loop (each request is sent "
+                         "when it is due, whatever is in flight), so it has no concurrency level; run "
+                         "the concurrency list and the rate list as two commands")
+    if a.num_requests is not None and a.duration is not None:
+        raise UsageError("--num-requests and --duration both bound a rate run; give one of them")
+    if a.num_requests is not None and a.num_requests < 1:
+        raise UsageError(f"--num-requests {a.num_requests}: need at least 1 request")
+    if a.duration is not None and not a.duration > 0:
+        raise UsageError(f"--duration {a.duration}: need a positive number of seconds, e.g. --duration 60")
+    return rates, a.num_requests, a.duration
+
+
 def cmd_run(a: argparse.Namespace) -> int:
-    levels = int_list(a.concurrency, "--concurrency", 1)
+    rates, num_requests, duration = _rate_args(a)
+    levels = int_list(a.concurrency or "1", "--concurrency", 1)
     depths = int_list(a.depth, "--depth", 0)
+    targets = parse_goodput(a.goodput)
     if a.repeats < 1 or a.warmup < 0 or a.max_tokens < 2:
         raise UsageError("need --repeats >= 1, --warmup >= 0, --max-tokens >= 2")
     if not 0 < a.depth_tolerance < 0.5:
@@ -180,12 +222,15 @@ def cmd_run(a: argparse.Namespace) -> int:
     failed = 0
     for depth in depths:
         for level in levels:
-            opts = RunOptions(base_url=base_url, model=a.model, label=a.label, out=out,
-                              prompts=Path(a.prompts), category=a.category, repeats=a.repeats,
-                              warmup=a.warmup, concurrency=level, api_key=api_key, meta=meta,
-                              sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking),
-                              progress=not a.quiet, depth=depth, depth_tolerance=a.depth_tolerance)
-            failed += _one_run(opts)
+            for rate in rates:
+                opts = RunOptions(base_url=base_url, model=a.model, label=a.label, out=out,
+                                  prompts=Path(a.prompts), category=a.category, repeats=a.repeats,
+                                  warmup=a.warmup, concurrency=level, api_key=api_key, meta=meta,
+                                  sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking),
+                                  progress=not a.quiet, depth=depth, depth_tolerance=a.depth_tolerance,
+                                  request_rate=rate, num_requests=num_requests, duration_s=duration,
+                                  arrival_seed=a.arrival_seed, goodput=targets)
+                failed += _one_run(opts)
     return 1 if failed else 0
 
 
@@ -309,8 +354,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
     r.add_argument("--warmup", type=int, default=2, help="warm-up requests, not measured")
     r.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request")
-    r.add_argument("--concurrency", default="1",
-                   help="requests in flight at once; a list (1,2,4) measures one run per level")
+    r.add_argument("--concurrency", default=None,
+                   help="requests in flight at once; a list (1,2,4) measures one run per level (default 1)")
+    r.add_argument("--request-rate", default=None,
+                   help="open-loop load instead: Poisson arrivals at this many requests/s, seeded; a list "
+                        "(0.5,1,2) measures one run per rate; not with --concurrency "
+                        "(default: none, closed loop)")
+    r.add_argument("--num-requests", type=int, default=None,
+                   help="rate runs: arrivals per run (default: the prompt set times --repeats)")
+    r.add_argument("--duration", type=float, default=None,
+                   help="rate runs: send every arrival of the first S seconds instead of --num-requests "
+                        "(default: none)")
+    r.add_argument("--arrival-seed", type=int, default=0, help="rate runs: seed of the arrival schedule")
+    r.add_argument("--goodput", default=None,
+                   help="targets a request must meet to count as goodput, e.g. ttft=2000ms,tpot=100ms "
+                        "(ttft, tpot, e2e; ms or s; default: no goodput)")
     r.add_argument("--depth", default="0",
                    help="input tokens per request, calibrated against the server's usage count; a list "
                         "(0,8192,32768) measures one run per depth (0: the prompt set as it is)")

@@ -80,6 +80,8 @@ class RequestResult:
     continuous_usage: bool = False
     raw_chunks: int = 0
     text: str = ""  # the output (content and reasoning deltas, concatenated)
+    arrival_s: float | None = None  # rate mode: planned send time, seconds after the measured phase began
+    lag_s: float | None = None  # rate mode: how late the request was dispatched
 
     # ---- derived per-request metrics (definitions: the docstring of sparkllm/bench_runner.py)
     @property
@@ -134,7 +136,8 @@ class RequestResult:
                 "tpot_ms": self.tpot_ms, "tokens_per_chunk": self.tokens_per_chunk,
                 "continuous_usage": self.continuous_usage, "prompt_tokens": self.prompt_tokens,
                 "prefill_tok_s": self.prefill_tok_s, "output_sha256": self.output_sha256,
-                "output_text": self.text if self.ok else None}
+                "output_text": self.text if self.ok else None, "arrival_s": self.arrival_s,
+                "lag_s": self.lag_s}
 
 
 @dataclass

@@ -22,7 +22,7 @@ from sparkllm.bench_store import STORE_NAME, import_runs, open_store, record_out
 
 REPORT_TOOL = "bench.py report"
 CHART_FILES = ("decode_tok_s.png", "acceptance_by_position.png", "speedup_by_category.png",
-               "tok_s_vs_concurrency.png")
+               "tok_s_vs_concurrency.png", "goodput_vs_rate.png")
 NO_MATPLOTLIB = ("Charts need matplotlib, which this Python lacks: run `bench.py report` with the toolkit's "
                  "venv (`make setup`, then `.venv/bin/python scripts/bench.py report DIR`).")
 
@@ -56,7 +56,8 @@ class RunRow:
         ctx = {"concurrency": m.get("concurrency"), "max_tokens": s.get("max_tokens"),
                "temperature": s.get("temperature"), "thinking": s.get("thinking"), "model": m.get("model"),
                "prompts": p.get("sha256"), "categories": p.get("category_filter"),
-               "topology": m.get("topology"), "input_depth": m.get("input_depth") or None}
+               "topology": m.get("topology"), "input_depth": m.get("input_depth") or None,
+               "request_rate": m.get("request_rate"), "goodput_targets": m.get("goodput_targets_ms")}
         return json.dumps(ctx, sort_keys=True, default=str)
 
     @property
@@ -157,6 +158,7 @@ class MethodStats:
     telemetry: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] | None = None  # the check against the baseline (bench_analysis)
     differs: bool = False
+    rate: dict[str, Any] | None = None  # request-rate rows: completed rate and goodput, mean of the runs
 
 
 def _mean_opt(xs: Iterable[float | None]) -> float | None:
@@ -174,11 +176,18 @@ def _mean_positions(lists: list[list[float] | None]) -> list[float] | None:
 
 def _row_names(keys: list[tuple[str, str | None, str, str | None]]) -> dict[tuple, str]:
     """The label, with what tells rows apart: the concurrency (``c=N``) and input depth (``d=N``) when
-    the store holds several, then the configuration hash when a label still names several groups."""
+    the store holds several, the offered rate (``r=R``) of a request-rate row, then the configuration
+    hash when a label still names several groups."""
     ctxs = {k: json.loads(k[2]) for k in keys}
     vary = [f for f in ("concurrency", "input_depth") if len({str(c.get(f)) for c in ctxs.values()}) > 1]
-    tag = {"concurrency": "c", "input_depth": "d"}
-    base = {k: " ".join([k[0]] + [f"{tag[f]}={ctxs[k].get(f) or 0}" for f in vary]) for k in keys}
+
+    def tags(c: dict[str, Any]) -> list[str]:
+        closed = c.get("request_rate") is None
+        out = [f"c={c.get('concurrency') or 0}"] if "concurrency" in vary and closed else []
+        out += [f"r={float(c['request_rate']):g}"] if c.get("request_rate") is not None else []
+        return out + ([f"d={c.get('input_depth') or 0}"] if "input_depth" in vary else [])
+
+    base = {k: " ".join([k[0], *tags(ctxs[k])]) for k in keys}
     by_name: dict[str, list[tuple]] = {}
     for k in keys:
         by_name.setdefault(base[k], []).append(k)
@@ -226,6 +235,18 @@ def _telemetry(rs: list[RunRow]) -> dict[str, Any]:
     return out
 
 
+def _rate(rs: list[RunRow]) -> dict[str, Any] | None:
+    rates = [r.doc.get("meta", {}).get("rate") for r in rs]
+    if not any(rates):
+        return None
+    gps = [r.doc["summary"].get("goodput") or {} for r in rs]
+    return {"completed_rate_req_s": _mean_opt((x or {}).get("completed_rate_req_s") for x in rates),
+            "offered_rate_req_s": _mean_opt((x or {}).get("offered_rate_req_s") for x in rates),
+            "requests": sum(r.doc["summary"].get("requests") or 0 for r in rs),
+            "goodput_share": _mean_opt(g.get("share") for g in gps),
+            "goodput_req_s": _mean_opt(g.get("rate_req_s") for g in gps)}
+
+
 def method_table(runs: list[RunRow], baseline: str) -> list[MethodStats]:
     """One row per (label, configuration hash, context, image): runs measured under a different load,
     token budget, model or image are never pooled, and a row is compared only with a baseline row
@@ -264,8 +285,10 @@ def method_table(runs: list[RunRow], baseline: str) -> list[MethodStats]:
             prompt_tokens=_pooled(rs, "prompt_tokens")["median"],
             prefill_tok_s=_pooled(rs, "prefill_tok_s")["median"],
             acc_rate=_mean_opt(r.doc["spec"].get("acceptance_rate") for r in rs),
-            cat_acceptance=_cat_acceptance(rs), telemetry=_telemetry(rs)))
-    out.sort(key=lambda m: (json.loads(m.context).get("concurrency") or 1,
+            cat_acceptance=_cat_acceptance(rs), telemetry=_telemetry(rs), rate=_rate(rs)))
+    out.sort(key=lambda m: (json.loads(m.context).get("request_rate") is not None,
+                            json.loads(m.context).get("request_rate") or 0,
+                            json.loads(m.context).get("concurrency") or 1,
                             json.loads(m.context).get("input_depth") or 0,
                             m.base_label != baseline, -(m.decode["median"] or 0)))
     return out
@@ -404,10 +427,11 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
     fig.savefig(out / "speedup_by_category.png", dpi=100)
     plt.close(fig)
     names.append("speedup_by_category.png")
-    if len({json.loads(m.context).get("concurrency") for m in stats}) > 1:
+    closed = [m for m in stats if json.loads(m.context).get("request_rate") is None]
+    if len({json.loads(m.context).get("concurrency") for m in closed}) > 1:
         fig, ax = plt.subplots(figsize=(6, 4))
         series: dict[str, list[tuple[int, float | None, float | None]]] = {}
-        for m in stats:
+        for m in closed:
             c = json.loads(m.context)
             name = (f"{m.base_label}" + (f" d={c['input_depth']}" if c.get("input_depth") else "")
                     + (" [outputs differ]" if m.differs else ""))
@@ -429,7 +453,39 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
         fig.savefig(out / "tok_s_vs_concurrency.png", dpi=100)
         plt.close(fig)
         names.append("tok_s_vs_concurrency.png")
+    if _goodput_chart(plt, [m for m in stats if json.loads(m.context).get("request_rate") is not None], out):
+        names.append("goodput_vs_rate.png")
     return names
+
+
+def _goodput_chart(plt: Any, rated: list[MethodStats], out: Path) -> bool:
+    """Goodput (completed rate without targets) against the offered rate, one line per method and depth;
+    only when two rates or more were measured."""
+    if len({json.loads(m.context)["request_rate"] for m in rated}) < 2:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for m in rated:
+        c, r = json.loads(m.context), m.rate or {}
+        g = r.get("goodput_req_s") if c.get("goodput_targets") else r.get("completed_rate_req_s")
+        name = (m.base_label + (f" d={c['input_depth']}" if c.get("input_depth") else "")
+                + (" [outputs differ]" if m.differs else ""))
+        series.setdefault(name, []).append((float(c["request_rate"]), g or 0.0))
+    top = max(p[0] for pts in series.values() for p in pts)
+    ax.plot([0, top], [0, top], color="grey", lw=1, ls=":", label="offered rate (nominal)")
+    for j, (name, pts) in enumerate(sorted(series.items())):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j % 10}", label=name)
+    targets = {json.dumps(json.loads(m.context).get("goodput_targets"), sort_keys=True) for m in rated}
+    what = ("goodput req/s (meeting every target)" if targets != {"null"} else "completed req/s")
+    ax.set_xlabel("offered request rate (req/s, Poisson arrivals)")
+    ax.set_ylabel(what)
+    ax.set_title("Goodput against request rate")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "goodput_vs_rate.png", dpi=100)
+    plt.close(fig)
+    return True
 
 
 def check_report_dir(out: Path, store_dir: Path) -> None:

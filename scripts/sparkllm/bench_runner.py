@@ -54,12 +54,11 @@ from sparkllm.bench_prometheus import (
     restart_problem,
 )
 from sparkllm.bench_prompts import Prompt, load_prompts
+from sparkllm.bench_rate import arrivals, goodput, meets, run_open_loop
 from sparkllm.bench_stats import describe, fit_iid_acceptance
 from sparkllm.bench_telemetry import Telemetry
 
 TOKEN_MISMATCH_TOLERANCE = 0.01
-
-
 
 
 @dataclass
@@ -82,6 +81,12 @@ class RunOptions:
     depth_tolerance: float = DEFAULT_TOLERANCE
     telemetry_interval: float = 1.0
     nvidia_smi: str | None = None  # path of nvidia-smi (None: looked up on PATH; "": none)
+    # request-rate mode (sparkllm.bench_rate): open-loop Poisson arrivals instead of a concurrency level
+    request_rate: float | None = None  # requests/s (None: closed loop at ``concurrency``)
+    num_requests: int | None = None  # arrivals to send (None with no duration: prompts x repeats)
+    duration_s: float | None = None  # or every arrival before this many seconds
+    arrival_seed: int = 0
+    goodput: dict[str, float] = field(default_factory=dict)  # target name -> milliseconds
 
 
 class Progress:
@@ -152,12 +157,13 @@ class RunningSampler(threading.Thread):
             self.prev = snap
 
 
-def _detect_continuous(ep: Endpoint, model: str, prompt: Prompt, s: Sampling) -> bool:
-    """Probe once: does the server accept continuous_usage_stats and send usage on content chunks?"""
+def _detect_continuous(ep: Endpoint, model: str, prompt: Prompt, s: Sampling, salted: bool = False) -> bool:
+    """Probe once: does the server accept continuous_usage_stats and send usage on content chunks?
+    ``salted`` (a depth run): the probe carries its own cache_salt like every other request of the run."""
     probe = Sampling(max_tokens=4, temperature=s.temperature, seed=s.seed, thinking=s.thinking)
     res = RequestResult(-1, prompt.id, prompt.category, 0)
     try:
-        stream_request(ep, build_payload(model, prompt, probe, True), res)
+        stream_request(ep, (salted_payload if salted else build_payload)(model, prompt, probe, True), res)
     except UnsupportedOption:
         return False
     return res.ok and res.continuous_usage
@@ -190,6 +196,43 @@ def _run_requests(ep: Endpoint, opts: RunOptions, work: list[RequestResult], pro
         t.start()
     for t in threads:
         t.join()
+
+
+def _rate_work(prompts: list[Prompt], opts: RunOptions) -> tuple[list[RequestResult], list[float]]:
+    """The arrivals of a rate run (seeded schedule) and their requests: prompt i mod n, repeat i div n."""
+    assert opts.request_rate
+    if opts.duration_s:
+        offsets = arrivals(opts.request_rate, opts.arrival_seed, duration=opts.duration_s)
+    else:
+        offsets = arrivals(opts.request_rate, opts.arrival_seed,
+                           num=opts.num_requests or len(prompts) * opts.repeats)
+    work = []
+    for i, off in enumerate(offsets):
+        p = prompts[i % len(prompts)]
+        res = RequestResult(i, p.id, p.category, i // len(prompts))
+        res.arrival_s = off
+        work.append(res)
+    return work, offsets
+
+
+def _run_rate(ep: Endpoint, opts: RunOptions, work: list[RequestResult], offsets: list[float],
+              prompts: dict[str, Prompt], continuous: bool, prog: Progress | None) -> dict[str, Any]:
+    build = salted_payload if opts.depth else build_payload
+
+    def send(i: int) -> None:
+        res = work[i]
+        try:
+            stream_request(ep, build(opts.model, prompts[res.prompt_id], opts.sampling, continuous), res)
+        except UnsupportedOption as exc:
+            res.error = f"server rejected stream options: {exc}"
+        if prog:
+            prog.step(f"{res.category} ttft {res.ttft_s:.2f}s" if res.ttft_s else (res.error or "")[:40])
+
+    out = run_open_loop(offsets, send)
+    lags = out.pop("lags_s")
+    for res, lag in zip(work, lags, strict=True):
+        res.lag_s = lag
+    return {"max_in_flight": out["max_in_flight"], "dispatch_lag_s": describe(lags)}
 
 
 def _settled_snapshot(ep: Endpoint, expect_tokens: int, before: MetricsSnapshot) -> MetricsSnapshot:
@@ -387,8 +430,8 @@ def validity(errors: int, client_tokens: int, spec_all: dict[str, Any], before: 
     if pre:
         problems.append(f"{pre:g} preemption(s) during the measured phase")
     if sampler is not None and sampler.max_running is not None and sampler.max_running > concurrency:
-        problems.append(f"{sampler.max_running:g} requests running on the server at concurrency "
-                        f"{concurrency}: something else is using it")
+        problems.append(f"{sampler.max_running:g} requests running on the server while this run had at "
+                        f"most {concurrency} in flight: something else is using it")
     return problems
 
 
@@ -408,11 +451,13 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         prompts = [at_depth(p, cal.words, i) for i, p in enumerate(prompts)]
         by_id = {p.id: p for p in prompts}
         depth_meta = cal.as_dict()
-    continuous = _detect_continuous(ep, opts.model, prompts[0], opts.sampling)
+    continuous = _detect_continuous(ep, opts.model, prompts[0], opts.sampling, salted=bool(opts.depth))
     warm = [RequestResult(-1 - i, prompts[i % len(prompts)].id, prompts[i % len(prompts)].category, -1)
             for i in range(opts.warmup)]
     _run_requests(ep, opts, warm, by_id, continuous, None)
-    blocks = _blocks(prompts, opts.repeats, opts.concurrency)
+    rate_work, offsets = _rate_work(prompts, opts) if opts.request_rate else ([], [])
+    blocks = ([[(by_id[w.prompt_id], w.repeat) for w in rate_work]] if opts.request_rate
+              else _blocks(prompts, opts.repeats, opts.concurrency))
     total = sum(len(b) for b in blocks)
     prog = Progress(total, opts.label, opts.progress)
     snap0 = _quiet_snapshot(ep)
@@ -425,9 +470,14 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     extra: list[str] = []
     t_start = time.monotonic()
     prev = snap0
+    rate_info: dict[str, Any] = {}
     for block in blocks:
         work = [RequestResult(len(results) + i, p.id, p.category, r) for i, (p, r) in enumerate(block)]
-        _run_requests(ep, opts, work, by_id, continuous, prog)
+        if opts.request_rate:
+            work = rate_work
+            rate_info = _run_rate(ep, opts, work, offsets, by_id, continuous, prog)
+        else:
+            _run_requests(ep, opts, work, by_id, continuous, prog)
         results.extend(work)
         if len(blocks) > 1:
             toks = sum(w.output_tokens or 0 for w in work if w.ok)
@@ -444,11 +494,12 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     snap1 = _settled_snapshot(ep, client_tokens, snap0) if len(blocks) == 1 else prev
     spec_all = spec_metrics(snap0, snap1, _k_hint(opts.meta))
     errors = sum(1 for r in results if not r.ok)
-    problems = validity(errors, client_tokens, spec_all, snap0, snap1, sampler, opts.concurrency, extra)
+    bound = rate_info.get("max_in_flight", 0) if opts.request_rate else opts.concurrency
+    problems = validity(errors, client_tokens, spec_all, snap0, snap1, sampler, bound, extra)
     meta = build_meta(opts, version, models, prompt_sha, len(prompts), continuous, started, sampler)
     run_id = make_run_id(opts.label)
     doc = {
-        "schema": 2, "run_id": run_id, "label": opts.label, "valid": not problems, "problems": problems,
+        "schema": 3, "run_id": run_id, "label": opts.label, "valid": not problems, "problems": problems,
         "summary": summarise(results, wall), "spec": spec_all,
         "spec_counters": {"before": raw_counters(snap0), "after": raw_counters(snap1)},
         "categories": per_category(results, spec_by_cat), "meta": meta,
@@ -469,6 +520,19 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         doc["warnings"].append(f"{depth_meta['outside_tolerance']} request(s) outside the depth tolerance")
     doc["summary"]["prefill_tok_s"] = describe(r.prefill_tok_s for r in results if r.ok)
     doc["summary"]["prompt_tokens"] = describe(r.prompt_tokens for r in results if r.ok)
+    doc["summary"]["goodput"] = goodput(doc["requests"], opts.goodput, wall)
+    for row in doc["requests"]:
+        row["meets_targets"] = meets(row, opts.goodput) if opts.goodput else None
+    doc["meta"]["goodput_targets_ms"] = dict(opts.goodput) or None
+    doc["meta"]["request_rate"] = opts.request_rate
+    if opts.request_rate:
+        doc["meta"]["concurrency"] = None  # open loop: no concurrency level
+        span = max(offsets) if len(offsets) > 1 else None
+        doc["meta"]["rate"] = {
+            "request_rate": opts.request_rate, "arrival_seed": opts.arrival_seed, "arrivals": len(offsets),
+            "num_requests": opts.num_requests, "duration_s": opts.duration_s,
+            "offered_rate_req_s": (len(offsets) - 1) / span if span else None,
+            "completed_rate_req_s": sum(1 for r in results if r.ok) / wall if wall > 0 else None, **rate_info}
     return doc
 
 

@@ -1,9 +1,11 @@
 """bench: the SQLite results store and the import of run JSON files (standard library only).
 
-Results store (SQLite, ``DIR/results.sqlite``), schema version 2 (``PRAGMA user_version`` and
+Results store (SQLite, ``DIR/results.sqlite``), schema version 3 (``PRAGMA user_version`` and
 table ``schema``; see docs/results-store.md). Version 1 below; version 2 adds (``MIGRATIONS``)
 runs.input_depth/output_tok_s_aggregate/j_per_output_token/warnings, requests.prompt_tokens/
-prefill_tok_s/output_sha256/output_text and table output_checks::
+prefill_tok_s/output_sha256/output_text and table output_checks; version 3 (request-rate mode)
+runs.request_rate/completed_rate_req_s/goodput_targets/goodput_share/goodput_req_s and
+requests.arrival_s/lag_s/meets_targets::
 
     schema(version INTEGER PRIMARY KEY, applied_utc TEXT, description TEXT)
     runs(run_id TEXT PRIMARY KEY, label TEXT, method TEXT, config_hash TEXT, repetition INTEGER,
@@ -33,7 +35,7 @@ from sparkllm.bench_common import UsageError, utc_now
 from sparkllm.fileio import write_bytes_atomic
 
 STORE_NAME = "results.sqlite"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 
@@ -70,6 +72,16 @@ CREATE TABLE IF NOT EXISTS output_checks (
     identical_share REAL, median_prefix_share REAL, floor_identical_share REAL,
     floor_median_prefix_share REAL, differs INTEGER NOT NULL, checked_utc TEXT NOT NULL);
 """),
+    (3, "request-rate mode: offered rate, goodput against targets, arrival schedule", """
+ALTER TABLE runs ADD COLUMN request_rate REAL;
+ALTER TABLE runs ADD COLUMN completed_rate_req_s REAL;
+ALTER TABLE runs ADD COLUMN goodput_targets TEXT;
+ALTER TABLE runs ADD COLUMN goodput_share REAL;
+ALTER TABLE runs ADD COLUMN goodput_req_s REAL;
+ALTER TABLE requests ADD COLUMN arrival_s REAL;
+ALTER TABLE requests ADD COLUMN lag_s REAL;
+ALTER TABLE requests ADD COLUMN meets_targets INTEGER;
+"""),
 ]
 
 RUN_COLUMNS = ("run_id", "label", "method", "config_hash", "repetition", "valid", "problems", "started_utc",
@@ -77,11 +89,13 @@ RUN_COLUMNS = ("run_id", "label", "method", "config_hash", "repetition", "valid"
                "decode_tok_s_p5", "decode_tok_s_p95", "decode_tok_s_mean", "ttft_s_median", "tpot_ms_median",
                "tokens_per_chunk_median", "acceptance_rate", "mean_acceptance_length",
                "effective_tokens_per_step", "doc", "input_depth", "output_tok_s_aggregate",
-               "j_per_output_token", "warnings")
+               "j_per_output_token", "warnings", "request_rate", "completed_rate_req_s", "goodput_targets",
+               "goodput_share", "goodput_req_s")
 REQUEST_COLUMNS = ("run_id", "idx", "prompt_id", "category", "repeat", "ok", "error", "output_tokens",
                    "chunks",
                    "ttft_s", "decode_s", "e2e_s", "decode_tok_s", "tpot_ms", "tokens_per_chunk",
-                   "prompt_tokens", "prefill_tok_s", "output_sha256", "output_text")
+                   "prompt_tokens", "prefill_tok_s", "output_sha256", "output_text", "arrival_s", "lag_s",
+                   "meets_targets")
 
 
 def migrate(conn: sqlite3.Connection) -> int:
@@ -111,11 +125,14 @@ def open_store(directory: Path) -> sqlite3.Connection:
 
 def store_run(conn: sqlite3.Connection, doc: dict[str, Any]) -> bool:
     """Insert one run document; returns False if that run id is already stored (idempotent).
-    Documents of schema 1 (before load, depth, outputs and telemetry) store NULL in the newer columns."""
+    Documents of schema 1 (before load, depth, outputs and telemetry) and 2 (before the request-rate mode)
+    store NULL in the newer columns."""
     s, sp, meta = doc.get("summary", {}), doc.get("spec", {}), doc.get("meta", {})
     dec = s.get("decode_tok_s", {})
     rep = meta.get("repetition")
     tel = doc.get("telemetry") or {}
+    gp = s.get("goodput") or {}
+    targets = meta.get("goodput_targets_ms")
     row = (doc["run_id"], doc["label"], meta.get("method"), meta.get("config_hash"),
            int(rep) if rep is not None else None, int(bool(doc["valid"])), json.dumps(doc["problems"]),
            meta.get("started_utc"), meta.get("finished_utc"), meta.get("concurrency"), s.get("requests"),
@@ -124,7 +141,9 @@ def store_run(conn: sqlite3.Connection, doc: dict[str, Any]) -> bool:
            s.get("tokens_per_chunk", {}).get("median"), sp.get("acceptance_rate"),
            sp.get("mean_acceptance_length"), sp.get("effective_tokens_per_step"), json.dumps(doc),
            meta.get("input_depth"), (s.get("token_weighted") or {}).get("output_tok_s_wall"),
-           tel.get("j_per_output_token"), json.dumps(doc.get("warnings") or []))
+           tel.get("j_per_output_token"), json.dumps(doc.get("warnings") or []), meta.get("request_rate"),
+           (meta.get("rate") or {}).get("completed_rate_req_s"),
+           json.dumps(targets, sort_keys=True) if targets else None, gp.get("share"), gp.get("rate_req_s"))
     with conn:
         cur = conn.execute(f"INSERT OR IGNORE INTO runs ({','.join(RUN_COLUMNS)}) "
                            f"VALUES ({','.join('?' * len(row))})", row)

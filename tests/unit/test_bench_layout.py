@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from bench_helpers import write_prompts
 from fixtures.standin_server import Config, StandinServer
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 MAX_LINES = 800
 RUN_SIDE = ("bench_common", "bench_prompts", "bench_prometheus", "bench_stats", "bench_client",
-            "bench_runner", "bench_store", "bench_cli")
+            "bench_runner", "bench_store", "bench_cli", "bench_rate", "bench_depth", "bench_telemetry")
 
 # Runs in a fresh interpreter: every import of a module outside the standard library (and our own
 # bench / sparkllm) fails and is recorded, as on a Spark whose python3 has no matplotlib or rich.
@@ -58,12 +59,16 @@ print(json.dumps({"rc": rc, "blocker_works": blocker_works, "attempts": attempts
 """
 
 
-def test_run_side_is_stdlib_only_and_never_loads_the_report(tmp_path: Path) -> None:
+RATE_RUN = ["--request-rate", "20", "--num-requests", "4", "--goodput", "ttft=2s"]
+
+
+@pytest.mark.parametrize("load", [[], RATE_RUN], ids=["closed-loop", "request-rate"])
+def test_run_side_is_stdlib_only_and_never_loads_the_report(tmp_path: Path, load: list[str]) -> None:
     prompts = write_prompts(tmp_path / "p.jsonl")
     out = tmp_path / "results"
     with StandinServer(Config(step_time=0.001, model="m")) as srv:
         argv = ["run", "--base-url", srv.base_url, "--model", "m", "--label", "layout", "--out", str(out),
-                "--prompts", str(prompts), "--warmup", "1", "--max-tokens", "6"]
+                "--prompts", str(prompts), "--warmup", "1", "--max-tokens", "6", *load]
         code = (DRIVER.replace("RUN_SIDE", repr(RUN_SIDE)).replace("ARGV", repr(argv))
                 .replace("SCRIPT", repr(str(SCRIPTS / "bench.py"))))
         r = subprocess.run([sys.executable, "-s", "-c", code], capture_output=True, text=True, timeout=120,

@@ -176,7 +176,7 @@ def test_version_1_store_is_migrated(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     conn = bench_store.open_store(tmp_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == bench_store.SCHEMA_VERSION
     assert [tuple(r) for r in conn.execute("SELECT run_id, input_depth FROM runs")] == [("old", None)]
     cols = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
     assert {"output_sha256", "output_text", "prompt_tokens"} <= cols

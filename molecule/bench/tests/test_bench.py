@@ -16,9 +16,30 @@ def _runs():
 
 def test_one_cell_fetched_despite_two_converges():
     runs = _runs()
-    assert len(runs) == 4, "one run per (depth, concurrency); an idempotent rerun must not measure again"
-    levels = sorted((r["meta"]["input_depth"] or 0, r["meta"]["concurrency"]) for r in runs)
-    assert levels == [(0, 1), (0, 2), (512, 1), (512, 2)]
+    assert len(runs) == 8, "one run per (depth, concurrency or rate); a rerun must not measure again"
+    levels = sorted((m["input_depth"] or 0, m["concurrency"] or 0, m["request_rate"] or 0)
+                    for m in (r["meta"] for r in runs))
+    assert levels == [(0, 0, 2.0), (0, 0, 20.0), (0, 1, 0), (0, 2, 0),
+                      (512, 0, 2.0), (512, 0, 20.0), (512, 1, 0), (512, 2, 0)]
+
+
+def test_rate_runs_have_their_schedule_and_goodput():
+    rated = [r for r in _runs() if r["meta"]["request_rate"]]
+    assert len(rated) == 4
+    for r in rated:
+        assert r["valid"], r["problems"]
+        assert r["meta"]["rate"]["arrivals"] == 6 and r["meta"]["concurrency"] is None
+        assert r["meta"]["goodput_targets_ms"] == {"ttft": 500.0, "tpot": 50.0}
+        gp = r["summary"]["goodput"]
+        assert gp["requests"] == 6 and gp["met"] == sum(q["meets_targets"] for q in r["requests"])
+    # one seed: the same arrival schedule at every depth, and 20/s is the 2/s schedule ten times faster
+    by = {(r["meta"]["input_depth"] or 0, r["meta"]["request_rate"]): [q["arrival_s"] for q in r["requests"]]
+          for r in rated}
+    assert by[(0, 2.0)] == by[(512, 2.0)]
+    assert all(abs(a - 10 * b) < 1e-9 for a, b in zip(by[(0, 2.0)], by[(0, 20.0)], strict=True))
+    report = (RESULTS / "report" / "report.md").read_text()
+    assert "## Request rate" in report and "mtp-k2 r=20 d=512" in report
+    assert "goodput_vs_rate.png" in report
 
 
 def test_depth_reached_within_tolerance():
@@ -70,7 +91,7 @@ def test_url_came_from_the_serve_fact_not_loopback(host):
 def test_store_holds_the_run_once():
     with sqlite3.connect(RESULTS / "results.sqlite") as db:
         rows = db.execute("SELECT label, valid FROM runs").fetchall()
-    assert rows == [("mtp-k2", 1)] * 4
+    assert rows == [("mtp-k2", 1)] * 8
 
 
 def test_report_was_written_with_the_method():
@@ -93,4 +114,4 @@ def test_controller_store_prevents_remeasuring_after_a_wipe(host):
     res = run_playbook("playbooks/bench.yml")
     assert res.rc == 0, res.output[-3000:]
     assert "already measured" in res.output
-    assert len(_runs()) == 4
+    assert len(_runs()) == 8
