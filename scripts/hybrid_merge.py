@@ -36,7 +36,11 @@ once the output is in place.
 a non-empty directory of anyone else, an existing file, and a directory equal to, inside or holding
 --int4 or --fp8 are refused before anything is written.
 
-Exit codes: 0 ok (or no-op), 1 the merge failed (invalid input checkpoint, I/O failure),
+An --fp8 directory that contributes no FP8 weight (e.g. a second copy of the INT4 checkpoint) is
+refused with exit 1, dry run included: the output would be a plain INT4 model under a hybrid's name.
+
+Exit codes: 0 ok (or no-op), 1 the merge failed (invalid input checkpoint, an FP8 input that
+contributes nothing, I/O failure),
 2 usage error (bad arguments, missing input directory, an --out the tool may not write).
 """
 
@@ -462,6 +466,26 @@ def plan_json(plan: MergePlan) -> dict[str, object]:
     }
 
 
+def refuse_empty_fp8(plan: MergePlan, fp8: Path) -> None:
+    """An FP8 input that gives the merge nothing would yield a plain INT4 copy under a hybrid's name:
+    refuse it (exit 1) with the likely mix-up, before anything is written (dry run too)."""
+    if plan.taken:
+        return
+    if not any(s.reason != "mtp (taken from the INT4 extra file)" for s in plan.skipped):
+        raise CheckpointError(
+            f"--fp8 {fp8} contributes no FP8 weight (it holds no F8_E4M3 tensor with a scale matching "
+            "an INT4 name): is it a second copy of the INT4 checkpoint? pass Qwen's FP8 release "
+            "(Qwen/Qwen3.5-122B-A10B-FP8) or its fp8-extract"
+        )
+    generic = ("no INT4 tensor of that name", "expert", "mtp (taken from the INT4 extra file)")
+    first = next((s for s in plan.skipped if s.reason not in generic), plan.skipped[0])
+    raise CheckpointError(
+        f"--fp8 {fp8} contributes no FP8 weight: none of its {len(plan.skipped)} FP8 candidates "
+        f"matches an INT4 tensor (e.g. {first.name}: {first.reason}): is it the "
+        "FP8 release of another model? pass Qwen's FP8 release of the same model"
+    )
+
+
 def run(
     int4: Path, fp8: Path, out: Path, dry_run: bool = False
 ) -> tuple[MergeResult | None, MergePlan | None]:
@@ -484,6 +508,7 @@ def run(
         rec = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
         return MergeResult(False, out, rec.get("summary", {}), time.monotonic() - start), None
     plan = plan_merge(int4, fp8)
+    refuse_empty_fp8(plan, fp8)
     if dry_run:
         return None, plan
     timings = {"plan": time.monotonic() - start}

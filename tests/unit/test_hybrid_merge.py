@@ -323,3 +323,30 @@ def test_bookkeeping_files_of_the_source_stay_behind(pair: GeneratedPair, tmp_pa
     assert ck.MANIFEST_NAME not in names
     assert ".sparkllm_mirror.json" not in names
     assert "config.json" in names
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_int4_copy_as_fp8_is_refused_with_one_line(
+    pair: GeneratedPair, tmp_path: Path, dry_run: bool
+) -> None:
+    """issue 24: --fp8 pointed at a second copy of the INT4 checkpoint merged nothing and exited 0."""
+    copy = generate(tmp_path / "copy", CFG).int4_dir  # a second INT4 checkpoint, passed as --fp8
+    out = tmp_path / "out"
+    argv = [sys.executable, str(SCRIPT), "--int4", str(pair.int4_dir), "--fp8", str(copy), "--out", str(out)]
+    r = subprocess.run(argv + (["--dry-run"] if dry_run else []), capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "contributes no FP8 weight" in lines[0]
+    assert "second copy of the INT4 checkpoint" in lines[0] and str(copy) in lines[0]
+    assert r.stdout == "" and not out.exists()
+    assert not list(tmp_path.glob("out.tmp-*")) and not (tmp_path / "out.parts").exists()
+
+
+def test_an_fp8_input_of_another_model_is_refused_naming_the_mismatch(
+    pair: GeneratedPair, tmp_path: Path
+) -> None:
+    other = generate(tmp_path / "other", replace(CFG, hidden=CFG.hidden * 2)).fp8_dir  # FP8, wrong shapes
+    out = tmp_path / "out"
+    with pytest.raises(ck.CheckpointError, match="contributes no FP8 weight: none of its .* shape mismatch"):
+        hybrid_merge.run(pair.int4_dir, other, out)
+    assert not out.exists()
