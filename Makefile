@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image \
-        bench-merge bench-runner demo gpu-e2e clean
+        bench-merge bench-runner demo gpu-e2e gpu-first-start clean
 
 # --- set-up ----------------------------------------------------------------
 $(BIN)/.stamp: requirements.txt
@@ -74,3 +74,8 @@ clean:
 # On a host with a CUDA GPU where `import vllm` works; see tests/gpu/e2e.py and the README.
 gpu-e2e:
 	$(PYTHON) tests/gpu/e2e.py --out results/gpu-e2e $(ARGS)
+
+# First starts with CUDA graphs, FlashInfer, fastsafetensors and EAGLE-3 (tests/gpu/first_start.py);
+# ARGS e.g. --cases graph-base,fi-graph-base --flashinfer-cuda-home DIR (tests/gpu/cuda_home.sh makes one)
+gpu-first-start:
+	$(PYTHON) tests/gpu/first_start.py --out results/gpu-first-start $(ARGS)

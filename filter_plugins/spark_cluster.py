@@ -8,6 +8,10 @@ Pure Python (standard library only); Ansible only needs the ``FilterModule`` at 
 - ``spark_link_networks``: the networks of the link's CIDR addresses (the firewall's allowed sources).
 - ``spark_sync_key_options``: the ``authorized_keys`` options of a worker's key on the head:
   ``restrict``, the worker's link address, and one forced command (read-only rsync or one image export).
+- ``spark_link_roce_hcas``: the RoCE devices NCCL_IB_HCA names (derived from each link interface's
+  ``/sys/class/net/IFACE/device/infiniband/*``, or the owner's list checked against them), or the error.
+- ``spark_nccl_transport``: which network NCCL chose, read from a server's log with ``NCCL_DEBUG=INFO``
+  (``Using network IB`` over the RoCE devices, or a fallback to TCP sockets, with the reason the log gives).
 """
 
 from __future__ import annotations
@@ -135,6 +139,112 @@ def spark_sync_key_options(from_ip: str, command: Sequence[str]) -> str:
     return f'restrict,from="{ip}",command="{" ".join(command)}"'
 
 
+def spark_link_roce_hcas(find_results: Sequence[Mapping], explicit: Sequence[str], nccl_iface: str) -> dict:
+    """The RoCE devices for NCCL_IB_HCA from the ``find`` results of
+    ``/sys/class/net/IFACE/device/infiniband``
+    (one per link interface, ``item`` = interface). Returns ``by_iface``, ``hcas`` and ``error`` ("" = fine):
+    every interface must have a device; an explicit list must name only the link's devices, the NCCL
+    interface's among them; [] derives every interface's devices, in the interfaces' order."""
+    by_iface: dict[str, list[str]] = {}
+    for res in find_results or []:
+        iface = str(res.get("item", ""))
+        by_iface[iface] = sorted(str(f.get("path", "")).rstrip("/").rsplit("/", 1)[-1]
+                                 for f in res.get("files") or [])
+    listing = "; ".join(f"{i} -> {', '.join(d) or 'none'}" for i, d in by_iface.items())
+    missing = [i for i, d in by_iface.items() if not d]
+    if missing:
+        return {"by_iface": by_iface, "hcas": [],
+                "error": f"link interface {', '.join(missing)} has no RoCE device "
+                         f"(/sys/class/net/{missing[0]}/"
+                         f"device/infiniband is missing or empty)"}
+    found = [d for devs in by_iface.values() for d in devs]
+    hcas = [str(h) for h in explicit or []] or found
+    foreign = [h for h in hcas if h not in found]
+    if foreign or not set(hcas) & set(by_iface.get(nccl_iface, [])):
+        what = (f"names {', '.join(foreign)}, which is not a RoCE device of the link" if foreign
+                else f"does not name the RoCE device of the NCCL interface {nccl_iface}")
+        return {"by_iface": by_iface, "hcas": hcas,
+                "error": f"spark_link_ib_hcas={list(explicit or [])} {what} (the link's devices: {listing}); "
+                         f"set "
+                         f"spark_link_ib_hcas to [] to derive them, or to devices of that list"}
+    return {"by_iface": by_iface, "hcas": hcas, "error": ""}
+
+
+# NCCL's own INFO lines (NVIDIA/nccl, the same text from 2.27 to 2.29):
+#   src/init.cc            INFO(NCCL_INIT, "Using network %s", ...)  -- the network the communicator uses;
+#                          its name is "IB" (src/transport/net_ib/common.cc) or "Socket" (net_socket.cc)
+#   net_ib init            "NET/IB : Using%s %s; OOB %s:%s" with " [%d]%s:%d/%s" per device: index, device,
+#                          port, link layer "IB" / "RoCE" (NCCL_IB_LLSTR)
+#   net_ib init            "NET/IB : No device found."   (no RDMA device, or NCCL_IB_HCA matched none)
+#   net_ib init            "NET/IB : Unable to open device %s"
+#   src/misc/ibvsymbols.cc "Failed to open libibverbs.so[.1]"   (no RDMA user libraries in the image)
+#   net_socket.cc          "NET/Socket : Using%s" with " [%d]%s:%s" per interface
+_NCCL_NETWORK_RE = re.compile(r"NCCL INFO Using network (\S+)")
+_NCCL_IB_LINE_RE = re.compile(r"NET/IB : Using((?: \[\d+\][^\s:\[]+:\d+/[A-Za-z]+)+)")
+_NCCL_IB_DEV_RE = re.compile(r"\[\d+\]([^\s:\[]+):(\d+)/([A-Za-z]+)")
+_NCCL_SOCKET_RE = re.compile(r"NET/Socket : Using((?: \[\d+\][^\s:]+:\S+)+)")
+_NCCL_FALLBACK_CAUSES = (
+    ("Failed to open libibverbs.so",
+     "the container has no RDMA user libraries (libibverbs1, ibverbs-providers, "
+     "librdmacm1: templates/Dockerfile.j2's runtime stage; rebuild the image)"),
+    ("NET/IB : No device found.",
+     "NCCL saw no RDMA device: /dev/infiniband is not in the container (docker run "
+                                  "--device /dev/infiniband), or NCCL_IB_HCA={hcas} names no device there"),
+    ("NET/IB : Unable to open device", "an RDMA device could not be opened in the container (--device "
+                                       "/dev/infiniband and --ulimit memlock=-1:-1 are needed)"),
+)
+
+
+def spark_nccl_transport(log: str, hcas: Sequence[str] | str = ()) -> dict:
+    """Which network NCCL chose, from the ``NCCL_DEBUG=INFO`` lines of a log (every rank's lines; Ray
+    forwards its workers' output to the server's).
+
+    ``hcas``: the devices NCCL was told to use (NCCL_IB_HCA, a list or its comma-separated value); each
+    device NCCL uses must match one (NCCL matches names by prefix). Returns ``ok``, ``transport`` (``IB``,
+    ``Socket``, another plugin's name, or ``none``), ``devices`` (``name:port/linklayer``) and ``reason``,
+    one line naming the problem and the fix, or what NCCL uses.
+    """
+    text = log if isinstance(log, str) else ""
+    if isinstance(hcas, str):
+        hcas = [h for h in hcas.split(",") if h]
+    hcas = [str(h).lstrip("^=").split(":")[0] for h in hcas or []]
+    networks = _NCCL_NETWORK_RE.findall(text)
+    devices: list[str] = []
+    for m in _NCCL_IB_LINE_RE.finditer(text):
+        for name, port, link in _NCCL_IB_DEV_RE.findall(m.group(1)):
+            dev = f"{name}:{port}/{link}"
+            if dev not in devices:
+                devices.append(dev)
+    hca_text = ",".join(hcas) or "(unset)"
+    if not networks:
+        return {"ok": False, "transport": "none", "devices": devices,
+                "reason": "NCCL printed no 'Using network' line: NCCL_DEBUG=INFO must reach the server and "
+                          "its Ray "
+                          "workers (the cluster environment, roles/spark_link) and the server must run "
+                          "tensor-parallel across the nodes"}
+    others = sorted({n for n in networks if not n.startswith("IB")})
+    if others:
+        transport = "Socket" if "Socket" in others else others[0]
+        causes = [why.format(hcas=hca_text) for needle, why in _NCCL_FALLBACK_CAUSES if needle in text]
+        sockets = _NCCL_SOCKET_RE.search(text)
+        where = f" over{sockets.group(1)}" if sockets else ""
+        what = ("NCCL fell back to TCP sockets" if transport == "Socket"
+                else f"NCCL uses the network {transport}")
+        return {"ok": False, "transport": transport, "devices": devices,
+                "reason": f"{what}{where} on {networks.count(transport)} of {len(networks)} communicators: "
+                          + ("; ".join(causes) if causes else
+                             f"the log names no cause (check NCCL_IB_DISABLE=0 and NCCL_IB_HCA={hca_text} "
+                             f"against `ls /sys/class/infiniband` in the container)")}
+    foreign = [d for d in devices if hcas and not any(d.split(":")[0].startswith(h) for h in hcas)]
+    if foreign:
+        return {"ok": False, "transport": "IB", "devices": devices,
+                "reason": f"NCCL uses {', '.join(foreign)}, not the link's RoCE devices "
+                          f"NCCL_IB_HCA={hca_text}"}
+    return {"ok": True, "transport": "IB", "devices": devices,
+            "reason": f"NCCL uses IB verbs over {', '.join(devices) or 'its RDMA devices'} "
+                      f"({len(networks)} communicators)"}
+
+
 class FilterModule:
     """Ansible filters of cluster access (ports, networks, key options)."""
 
@@ -144,4 +254,6 @@ class FilterModule:
             "spark_ray_firewall_ports": spark_ray_firewall_ports,
             "spark_link_networks": spark_link_networks,
             "spark_sync_key_options": spark_sync_key_options,
+            "spark_nccl_transport": spark_nccl_transport,
+            "spark_link_roce_hcas": spark_link_roce_hcas,
         }

@@ -54,10 +54,11 @@ SETTING_DEFAULTS: dict[str, object] = {
     "vllm_enable_auto_tool_choice": True,
     "vllm_tool_call_parser": "qwen3_coder",
     "vllm_enable_prefix_caching": False,
-    "vllm_max_num_seqs": None,
-    "vllm_load_format": "",
+    "vllm_max_num_seqs": 4,
+    "vllm_load_format": "fastsafetensors",
     "vllm_lm_head_int8": False,
     "vllm_serve_extra_args": [],
+    "spark_bad_driver_enforce_eager": False,
     # not in main.yml (see the module docstring)
     "vllm_model_path": "/model",
     "spark_nnodes": 1,
@@ -108,6 +109,13 @@ _FLAG_OPTIONS = {
     "max_num_batched_tokens": "--max-num-batched-tokens",
 }
 _KNOWN_SERVE_FLAGS = set(_FLAG_OPTIONS) | {"gpu_memory_utilization_cap"}
+# spark_bad_driver_enforce_eager renders --enforce-eager for every method (a 590.x driver deadlocks in
+# CUDA-graph capture on GB10); then vllm_serve_extra_args may not repeat or undo it.
+_EAGER_OPTIONS = ("--enforce-eager", "--no-enforce-eager")
+# Names and values of a server environment variable (catalogue server_env, the INT8 head switch): they
+# land unquoted in docker --env words and in systemd Environment= lines of the Ray units.
+_ENV_NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
+_ENV_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:/=+-]*")
 
 _JSON_HINT = "pass numbers and booleans as JSON, e.g. -e '{{\"{name}\": {example}}}'"
 
@@ -305,7 +313,8 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
                       f"FLASHINFER or TRITON_ATTN")
     _check_backends_per_method(errors, _get(settings, "vllm_attention_backends"), catalogue)
     _check_serving_features(errors, settings)
-    _check_extra_args(errors, _get(settings, "vllm_serve_extra_args"))
+    _check_extra_args(errors, _get(settings, "vllm_serve_extra_args"),
+                      eager_forced=_get(settings, "spark_bad_driver_enforce_eager") is True)
 
     host = _get(settings, "vllm_host")
     key_file = _get(settings, "vllm_api_key_file")
@@ -363,7 +372,8 @@ def _check_backends_per_method(errors: list[str], backends, catalogue: Mapping) 
 def _check_serving_features(errors: list[str], settings: Mapping) -> None:
     """Tool calling, prefix caching, --max-num-seqs, --load-format, the INT8 LM head (an env var
     of the container, patch 0002; no argv)."""
-    for name in ("vllm_enable_auto_tool_choice", "vllm_enable_prefix_caching", "vllm_lm_head_int8"):
+    for name in ("vllm_enable_auto_tool_choice", "vllm_enable_prefix_caching", "vllm_lm_head_int8",
+                 "spark_bad_driver_enforce_eager"):
         value = _get(settings, name)
         if not isinstance(value, bool):
             errors.append(f"{name}={value!r} is not a boolean{_type_hint(name, value, 'false')}; set it "
@@ -391,11 +401,11 @@ def _option_name(arg: str) -> str:
     return arg.split("=", 1)[0].replace("_", "-")
 
 
-def _check_extra_args(errors: list[str], extra) -> None:
+def _check_extra_args(errors: list[str], extra, eager_forced: bool = False) -> None:
     name = "vllm_serve_extra_args"
     if extra is None:
         return
-    example = '["--enforce-eager", "--seed", "1"]'
+    example = '["--seed", "1"]'
     if not isinstance(extra, list | tuple):
         errors.append(f"{name}={extra!r} is not a list{_type_hint(name, extra, example)}; set it to a "
                       f"list of strings, one argv word each, e.g. {example}")
@@ -409,6 +419,10 @@ def _check_extra_args(errors: list[str], extra) -> None:
         if option in _MANAGED_OPTIONS:
             errors.append(f"{name}[{i}]={arg!r} repeats an option the toolkit sets itself "
                           f"(from {_MANAGED_OPTIONS[option]}); remove it from {name}")
+        elif option in _EAGER_OPTIONS and eager_forced:
+            errors.append(f"{name}[{i}]={arg!r} repeats or undoes the --enforce-eager the toolkit sets "
+                          f"(spark_bad_driver_enforce_eager=true: CUDA graphs deadlock on a 590.x driver); "
+                          f"remove it from {name}")
         elif option in _FLAG_OPTIONS.values():
             errors.append(f"{name}[{i}]={arg!r} repeats a flag the method catalogue sets "
                           f"(serve_flags in methods.yml); change it there instead")
@@ -486,6 +500,8 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
         argv += ["--max-num-seqs", str(_get(settings, "vllm_max_num_seqs"))]
     if _get(settings, "vllm_load_format"):
         argv += ["--load-format", _get(settings, "vllm_load_format")]
+    if _get(settings, "spark_bad_driver_enforce_eager"):
+        argv.append("--enforce-eager")
     config = spark_speculative_config(settings, catalogue)
     if config:
         argv += ["--speculative-config", _speculative_json(config)]
@@ -556,9 +572,36 @@ def spark_method_variant(method: str, catalogue: Mapping, variants: Mapping) -> 
     return {"name": name, **dict(variants[name])}
 
 
+def spark_server_env(method: str, catalogue: Mapping, lm_head_int8=False,
+                     extra: Mapping | None = None) -> dict[str, str]:
+    """The environment every vLLM process of ``method`` needs: the catalogue's ``server_env``,
+    ``SPARKLLM_LM_HEAD_INT8=1`` with the INT8 head (patch 0002 reads it where the model loads), and
+    ``extra`` (the owner's serve_container_env, for the Ray units; the server gets it as docker options).
+
+    One source for the server container (serve's env template) and the Ray head and worker units
+    (ray_cluster): with the Ray backend the model runs in Ray's processes, and vLLM copies to them only
+    the variables of its own prefixes (vllm/ray/ray_env.py, DEFAULT_ENV_VAR_PREFIXES).
+    """
+    entry = _entry(catalogue, method)
+    if entry is None:
+        raise ValueError(f"spec_method={method!r} is not a known method; set spec_method to one of: "
+                         f"{_valid_methods(catalogue)}")
+    env = {str(k): str(v) for k, v in (entry.get("server_env") or {}).items()}
+    if lm_head_int8 is True or (isinstance(lm_head_int8, str)
+                                and lm_head_int8.lower() in ("true", "1", "yes")):
+        env["SPARKLLM_LM_HEAD_INT8"] = "1"
+    env.update({str(k): str(v) for k, v in (extra or {}).items()})
+    for name, value in env.items():
+        if not _ENV_NAME_RE.fullmatch(name) or not _ENV_VALUE_RE.fullmatch(value):
+            raise CatalogueError(f"method {method!r}: server environment {name}={value!r} (server_env or "
+                                 f"serve_container_env) must be an upper-case name and a plain value "
+                                 f"(letters, digits, _ . , : / = + -)")
+    return dict(sorted(env.items()))
+
+
 class FilterModule:
     """Ansible filters: spark_method_settings_errors, spark_speculative_config, spark_serve_argv,
-    spark_method_variant, spark_settings."""
+    spark_method_variant, spark_settings, spark_server_env."""
 
     def filters(self):
         return {
@@ -567,4 +610,5 @@ class FilterModule:
             "spark_serve_argv": spark_serve_argv,
             "spark_method_variant": spark_method_variant,
             "spark_settings": spark_settings,
+            "spark_server_env": spark_server_env,
         }

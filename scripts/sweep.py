@@ -10,8 +10,10 @@ by the settings (group_vars/all/*.yml overlaid with --extra-vars): every knob in
 variants of ``spec_method`` and ``vllm_build_methods``), since the sweep runs only the serve and bench
 stages. Each method left out is named with the reason; ``--methods`` lists them explicitly.
 
-Grid: one configuration per method; ``mtp`` expands to one per ``--mtp-k`` value (other methods
-use the catalogue's default K: ``spec_num_speculative_tokens`` null).  Schedule: methods are
+Grid: one configuration per method; ``mtp`` expands to one per ``--mtp-k`` value and any method
+named with ``--k METHOD=K1,K2`` to one per K (checked against the catalogue: the method must take K
+and K must lie in SPEC_TOKENS_RANGE); other methods use the catalogue's default K
+(``spec_num_speculative_tokens`` null).  Schedule: methods are
 interleaved across repetitions (rep 1: every configuration, rep 2: every configuration, ...), so
 slow drifts (thermals, page cache) hit every method alike and the report can pair runs by
 repetition index.  Each cell drives ``site.yml`` through ansible-runner with tags
@@ -22,7 +24,8 @@ directory, and anything from ``--extra-vars``).
 Configuration hash: sha256 over the canonical JSON of {method, k, extra_vars}, first 16 hex
 digits.  Resume: a cell is skipped when the store already holds a *valid* run with the same
 configuration hash and repetition (invalid runs are retried).  The end: ``bench.py report`` on
-the results directory and the best configuration (highest median decode tok/s over valid runs);
+the results directory and the best configuration (highest median decode tok/s over valid runs at
+``--optimise-concurrency``, leaving out rows whose outputs differ from the baseline's);
 ``--leave-best`` reruns the serve stage for it.
 
 A failed cell is reported with the failing task, its host and its message (from ansible-runner's
@@ -51,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkllm import bench_report, bench_store
+from sparkllm import bench_analysis, bench_report, bench_store
 from sparkllm.cli import HelpFormatter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -210,16 +213,52 @@ def ansible_runner_run(req: RunRequest) -> RunOutcome:
                           artifacts=artifacts)
 
 
+def spec_tokens_range() -> tuple[int, int]:
+    """The catalogue's limits on K (filter_plugins/spark_methods.py SPEC_TOKENS_RANGE)."""
+    import importlib.util
+
+    path = REPO_ROOT / "filter_plugins" / "spark_methods.py"
+    spec = importlib.util.spec_from_file_location("_spark_methods", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return tuple(mod.SPEC_TOKENS_RANGE)  # type: ignore[return-value]
+
+
+def parse_k(args: Sequence[str], catalogue: dict[str, Any]) -> dict[str, list[int]]:
+    """``["mtp=1,2,3", "dflash=5,8,12"]`` -> {method: Ks}, checked against the catalogue: the method
+    must take K (``num_speculative_tokens`` in its setting_overrides) and each K lie in its range."""
+    lo, hi = spec_tokens_range()
+    out: dict[str, list[int]] = {}
+    for a in args:
+        name, _, vals = a.partition("=")
+        name = name.strip()
+        if name not in catalogue:
+            raise UsageError(f"--k {a}: unknown method {name!r}; use METHOD=K1,K2 with a catalogue method")
+        if "num_speculative_tokens" not in ((catalogue[name] or {}).get("setting_overrides") or {}):
+            raise UsageError(f"--k {a}: method {name!r} takes no K (no num_speculative_tokens to set)")
+        try:
+            ks = [int(x) for x in vals.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(f"--k {a}: expected METHOD=K1,K2 with integers, e.g. --k mtp=1,2,3") from None
+        if not ks or any(not lo <= k <= hi for k in ks):
+            raise UsageError(f"--k {a}: every K must be in {lo}..{hi} (the catalogue's limit)")
+        out[name] = ks
+    return out
+
+
 def expand_grid(methods: Sequence[str], mtp_k: Sequence[int], extra_vars: dict[str, Any],
-                known: Sequence[str] | None = None) -> list[CellConfig]:
+                known: Sequence[str] | None = None,
+                ks: dict[str, list[int]] | None = None) -> list[CellConfig]:
     ev = json.dumps(extra_vars, sort_keys=True)
     known = list(known) if known is not None else list(load_settings().get("spark_method_catalogue") or {})
+    ks = {"mtp": list(mtp_k), **(ks or {})}
     out: list[CellConfig] = []
     for m in methods:
         if m not in known:
             raise UsageError(f"unknown method {m!r}: choose from {', '.join(known)} (the method catalogue)")
-        if m == "mtp":
-            out.extend(CellConfig(m, k, ev) for k in mtp_k)
+        if m in ks:
+            out.extend(CellConfig(m, k, ev) for k in ks[m])
         else:
             out.append(CellConfig(m, None, ev))
     if len({c.config_hash for c in out}) != len(out):
@@ -302,6 +341,7 @@ class Sweep:
     playbook: str = "site.yml"
     quiet: bool = False
     charts: bool = True
+    optimise_concurrency: int = 1  # the level whose best row is "best" (bench_analysis.best_row)
 
     def cells(self) -> list[Cell]:
         return schedule(self.configs, self.repeats)
@@ -353,9 +393,9 @@ class Sweep:
             return
         res.report, stats = bench_report.make_report(self.results_dir, charts=self.charts)
         by_hash = {c.config_hash: c for c in self.configs}
-        ranked = [s for s in stats if s.config_hash in by_hash and s.decode["median"] is not None]
-        if ranked:
-            top = max(ranked, key=lambda s: s.decode["median"])
+        ours = [s for s in stats if s.config_hash in by_hash]
+        top = bench_analysis.best_row(ours, self.optimise_concurrency)
+        if top is not None:
             res.best, res.best_decode_median = by_hash[top.config_hash], top.decode["median"]
 
     def leave_best(self, best: CellConfig) -> RunOutcome:
@@ -376,12 +416,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated methods (default: the catalogue's methods whose requirements "
                         "are met; the others are named with the reason)")
     p.add_argument("--mtp-k", type=_ints, default=[2], help="comma-separated K values for mtp")
+    p.add_argument("--k", action="append", default=[], metavar="METHOD=K1,K2",
+                   help="K values for any speculative method, e.g. --k mtp=1,2,3 --k dflash=5,8,12 "
+                        "(checked against the catalogue's limits)")
     p.add_argument("--repeats", type=int, default=3, help="repetitions of every configuration")
     p.add_argument("--inventory", default=str(REPO_ROOT / "inventory" / "hosts.yml"),
                    help="Ansible inventory (any path)")
     p.add_argument("--results", default=str(REPO_ROOT / "results"),
                    help="results directory (store, report/, runner/)")
-    p.add_argument("--leave-best", action="store_true", help="rerun the serve stage for the best config")
+    p.add_argument("--leave-best", action="store_true",
+                   help="rerun the serve stage for the best config (valid runs, outputs same as baseline)")
+    p.add_argument("--optimise-concurrency", type=int, default=1,
+                   help="the concurrency level the best configuration is chosen at")
     p.add_argument("--extra-vars", default="{}", help="JSON object passed to every run")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -433,8 +479,10 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
     if not methods:
         raise UsageError("no method can be swept with these settings (see above); pass --methods")
     known = list(settings.get("spark_method_catalogue") or {})
-    sw = Sweep(expand_grid(methods, a.mtp_k, extra, known), a.repeats, Path(a.results).resolve(),
-               inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet)
+    ks = parse_k(a.k, settings.get("spark_method_catalogue") or {})
+    sw = Sweep(expand_grid(methods, a.mtp_k, extra, known, ks), a.repeats, Path(a.results).resolve(),
+               inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet,
+               optimise_concurrency=a.optimise_concurrency)
     res = sw.run()
     print(f"ran {len(res.ran)}, skipped {len(res.skipped)} (already recorded), failed {len(res.failed)}")
     for cell, why in res.failed:

@@ -42,9 +42,19 @@ from sparkllm.bench_common import (
     WorkFailed,
     fmt,
 )
+from sparkllm.bench_depth import DEFAULT_TOLERANCE, check_depths, served_max_len
 from sparkllm.bench_prompts import fetch_prompts, load_prompts
 from sparkllm.bench_runner import RunOptions, execute_run
-from sparkllm.bench_store import STORE_NAME, atomic_write_json, find_run, import_runs, open_store, store_run
+from sparkllm.bench_store import (
+    REQUEST_COLUMNS,
+    RUN_COLUMNS,
+    STORE_NAME,
+    atomic_write_json,
+    find_run,
+    import_runs,
+    open_store,
+    store_run,
+)
 from sparkllm.cli import HelpFormatter
 
 
@@ -60,6 +70,10 @@ def print_summary(doc: dict[str, Any], out: Any = None) -> None:
         ("decode tok/s token-weighted", fmt(s["token_weighted"]["decode_tok_s"])),
         ("TTFT median s", fmt(s["ttft_s"]["median"], 3)), ("TPOT median ms", fmt(s["tpot_ms"]["median"])),
         ("tokens/chunk median", fmt(s["tokens_per_chunk"]["median"])),
+        ("concurrency / input depth",
+         f"{doc['meta'].get('concurrency')} / {doc['meta'].get('input_depth') or '-'}"),
+        ("aggregate output tok/s", fmt(s["token_weighted"]["output_tok_s_wall"])),
+        ("J per output token", fmt((doc.get("telemetry") or {}).get("j_per_output_token"), 3)),
         ("acceptance rate", fmt(sp["acceptance_rate"], 3)),
         ("mean acceptance length", fmt(sp["mean_acceptance_length"], 3)),
         ("per-position acceptance", "/".join(fmt(x, 3) for x in sp["per_position"] or []) or "-"),
@@ -135,9 +149,24 @@ def read_api_key(path: str | None) -> str | None:
     return key
 
 
+def int_list(text: str, flag: str, lo: int) -> list[int]:
+    """``1,2,4`` -> [1, 2, 4]; UsageError naming the flag for anything else (duplicates, < lo)."""
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated integers, e.g. {flag} 1,2,4") from None
+    if not vals or min(vals) < lo or len(set(vals)) != len(vals):
+        raise UsageError(f"{flag} {text!r}: need distinct integers >= {lo}, e.g. {flag} 1,2,4")
+    return vals
+
+
 def cmd_run(a: argparse.Namespace) -> int:
-    if a.concurrency < 1 or a.repeats < 1 or a.warmup < 0 or a.max_tokens < 2:
-        raise UsageError("need --concurrency >= 1, --repeats >= 1, --warmup >= 0, --max-tokens >= 2")
+    levels = int_list(a.concurrency, "--concurrency", 1)
+    depths = int_list(a.depth, "--depth", 0)
+    if a.repeats < 1 or a.warmup < 0 or a.max_tokens < 2:
+        raise UsageError("need --repeats >= 1, --warmup >= 0, --max-tokens >= 2")
+    if not 0 < a.depth_tolerance < 0.5:
+        raise UsageError("--depth-tolerance must be a fraction between 0 and 0.5, e.g. 0.05")
     base_url = check_base_url(a.base_url)
     api_key = read_api_key(a.api_key_file)
     out = Path(a.out)
@@ -145,12 +174,22 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise UsageError(f"--out {out}: exists and is not a directory; pass a results directory")
     load_prompts(Path(a.prompts), a.category)  # bad or missing prompts: a usage error, before any request
     meta = _read_meta(a.meta_json)
-    check_reachable(Endpoint(base_url, api_key))
-    opts = RunOptions(base_url=base_url, model=a.model, label=a.label, out=out,
-                      prompts=Path(a.prompts), category=a.category, repeats=a.repeats, warmup=a.warmup,
-                      concurrency=a.concurrency, api_key=api_key, meta=meta,
-                      sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking),
-                      progress=not a.quiet)
+    ep = Endpoint(base_url, api_key)
+    check_reachable(ep)
+    check_depths([d for d in depths if d], a.max_tokens, served_max_len(ep.get_json("/v1/models"), a.model))
+    failed = 0
+    for depth in depths:
+        for level in levels:
+            opts = RunOptions(base_url=base_url, model=a.model, label=a.label, out=out,
+                              prompts=Path(a.prompts), category=a.category, repeats=a.repeats,
+                              warmup=a.warmup, concurrency=level, api_key=api_key, meta=meta,
+                              sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking),
+                              progress=not a.quiet, depth=depth, depth_tolerance=a.depth_tolerance)
+            failed += _one_run(opts)
+    return 1 if failed else 0
+
+
+def _one_run(opts: RunOptions) -> int:
     doc = execute_run(opts)
     path = opts.out / f"{doc['run_id']}.json"
     atomic_write_json(path, doc)
@@ -161,6 +200,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         conn.close()
     print_summary(doc)
     print(f"wrote {path}")
+    for w in doc.get("warnings") or []:
+        print(f"bench.py run: warning: run {doc['run_id']}: {w}", file=sys.stderr)
     if not doc["valid"]:
         print(f"bench.py run: error: run {doc['run_id']} is invalid: {'; '.join(doc['problems'])} "
               "(written and stored, marked invalid)", file=sys.stderr)
@@ -200,6 +241,40 @@ def cmd_fetch_prompts(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    """runs.csv (one line per run) and requests.csv (one per request, with its output) from a store."""
+    import csv
+    import io
+
+    from sparkllm.fileio import write_bytes_atomic
+    from sparkllm.outdir import OutputRefused, check_output_dir, write_marker
+
+    store = Path(a.dir)
+    if not (store / STORE_NAME).is_file():
+        raise UsageError(f"{store}: holds no {STORE_NAME}; pass the results store directory")
+    out = Path(a.out) if a.out else store / "export"
+    try:
+        check_output_dir(out, "bench.py export", flag="--out")
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
+    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, "bench.py export")
+    conn = open_store(store)
+    try:
+        tables = (("runs", [c for c in RUN_COLUMNS if c != "doc"]), ("requests", list(REQUEST_COLUMNS)))
+        for table, cols in tables:
+            buf = io.StringIO()
+            w = csv.writer(buf)
+            w.writerow(cols)
+            sql = f"SELECT {','.join(cols)} FROM {table} ORDER BY run_id"
+            w.writerows(tuple(r) for r in conn.execute(sql))
+            write_bytes_atomic(out / f"{table}.csv", buf.getvalue().encode("utf-8"))
+    finally:
+        conn.close()
+    print(f"wrote {out / 'runs.csv'} and {out / 'requests.csv'}")
+    return 0
+
+
 def cmd_report(a: argparse.Namespace) -> int:
     store = Path(a.dir)
     if not store.is_dir():
@@ -234,7 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
     r.add_argument("--warmup", type=int, default=2, help="warm-up requests, not measured")
     r.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request")
-    r.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    r.add_argument("--concurrency", default="1",
+                   help="requests in flight at once; a list (1,2,4) measures one run per level")
+    r.add_argument("--depth", default="0",
+                   help="input tokens per request, calibrated against the server's usage count; a list "
+                        "(0,8192,32768) measures one run per depth (0: the prompt set as it is)")
+    r.add_argument("--depth-tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help="how far the served prompt length may be from the depth (fraction)")
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     r.add_argument("--seed", type=int, default=0, help="sampling seed")
     r.add_argument("--api-key-file", default=None,
@@ -262,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--baseline", default="baseline", help="label of the baseline method")
     rep.add_argument("--no-charts", action="store_true", help="Markdown only")
     rep.set_defaults(func=cmd_report)
+    ex = parser("export", "every run and request of a store as CSV (runs.csv, requests.csv)")
+    ex.add_argument("dir", help="results store directory")
+    ex.add_argument("--csv", action="store_true", required=True, help="write CSV (the only format)")
+    ex.add_argument("--out", default=None, help="directory for the CSV files (default: DIR/export)")
+    ex.set_defaults(func=cmd_export)
     f = parser("fetch-prompts", "download + verify + convert an external prompt set")
     f.add_argument("--source", required=True, choices=("specbench",), help="prompt source")
     f.add_argument("--dest", required=True, help="converted JSONL file to write")

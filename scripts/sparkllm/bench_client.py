@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import time
@@ -78,6 +79,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     continuous_usage: bool = False
     raw_chunks: int = 0
+    text: str = ""  # the output (content and reasoning deltas, concatenated)
 
     # ---- derived per-request metrics (definitions: the docstring of sparkllm/bench_runner.py)
     @property
@@ -115,13 +117,24 @@ class RequestResult:
     def icl_s(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
+    @property
+    def output_sha256(self) -> str | None:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest() if self.ok else None
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        t = self.ttft_s
+        return self.prompt_tokens / t if self.prompt_tokens and t else None
+
     def row(self) -> dict[str, Any]:
         return {"idx": self.idx, "prompt_id": self.prompt_id, "category": self.category,
                 "repeat": self.repeat, "ok": self.ok, "error": self.error,
                 "output_tokens": self.output_tokens, "chunks": self.m, "ttft_s": self.ttft_s,
                 "decode_s": self.decode_s, "e2e_s": self.e2e_s, "decode_tok_s": self.decode_tok_s,
                 "tpot_ms": self.tpot_ms, "tokens_per_chunk": self.tokens_per_chunk,
-                "continuous_usage": self.continuous_usage}
+                "continuous_usage": self.continuous_usage, "prompt_tokens": self.prompt_tokens,
+                "prefill_tok_s": self.prefill_tok_s, "output_sha256": self.output_sha256,
+                "output_text": self.text if self.ok else None}
 
 
 @dataclass
@@ -156,6 +169,19 @@ def _chunk_has_content(obj: dict[str, Any]) -> bool:
     return False
 
 
+def _chunk_text(obj: dict[str, Any]) -> str:
+    out = []
+    for ch in obj.get("choices") or []:
+        delta = ch.get("delta") or {}
+        for key in ("reasoning_content", "reasoning", "content"):
+            v = delta.get(key)
+            if isinstance(v, str):
+                out.append(v)
+        if delta.get("tool_calls"):
+            out.append(json.dumps(delta["tool_calls"], sort_keys=True))
+    return "".join(out)
+
+
 class UnsupportedOption(Exception):
     """The server rejected continuous_usage_stats."""
 
@@ -188,6 +214,7 @@ def _consume_sse(r: http.client.HTTPResponse, res: RequestResult) -> None:
     final_usage: int | None = None
     content_times: list[float] = []
     usage_times: list[float] = []
+    parts: list[str] = []
     done = False
     while True:
         line = r.readline()
@@ -220,6 +247,7 @@ def _consume_sse(r: http.client.HTTPResponse, res: RequestResult) -> None:
                 res.prompt_tokens = int(usage["prompt_tokens"])
         if has_choices and _chunk_has_content(obj):
             content_times.append(t)
+            parts.append(_chunk_text(obj))
     if not done:
         res.error = "stream ended without [DONE]"
         return
@@ -228,4 +256,5 @@ def _consume_sse(r: http.client.HTTPResponse, res: RequestResult) -> None:
         res.error = "no usage in stream (server ignored stream_options.include_usage)"
         return
     res.output_tokens = final_usage
+    res.text = "".join(parts)
     res.ok = True

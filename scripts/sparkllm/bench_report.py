@@ -10,17 +10,19 @@ import shutil
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sparkllm import bench_analysis
 from sparkllm.bench_common import REPORT_DIRNAME, UsageError, fmt, utc_now
 from sparkllm.bench_stats import describe, t975
-from sparkllm.bench_store import STORE_NAME, import_runs, open_store
+from sparkllm.bench_store import STORE_NAME, import_runs, open_store, record_output_checks
 
 REPORT_TOOL = "bench.py report"
-CHART_FILES = ("decode_tok_s.png", "acceptance_by_position.png", "speedup_by_category.png")
+CHART_FILES = ("decode_tok_s.png", "acceptance_by_position.png", "speedup_by_category.png",
+               "tok_s_vs_concurrency.png")
 NO_MATPLOTLIB = ("Charts need matplotlib, which this Python lacks: run `bench.py report` with the toolkit's "
                  "venv (`make setup`, then `.venv/bin/python scripts/bench.py report DIR`).")
 
@@ -54,7 +56,7 @@ class RunRow:
         ctx = {"concurrency": m.get("concurrency"), "max_tokens": s.get("max_tokens"),
                "temperature": s.get("temperature"), "thinking": s.get("thinking"), "model": m.get("model"),
                "prompts": p.get("sha256"), "categories": p.get("category_filter"),
-               "topology": m.get("topology")}
+               "topology": m.get("topology"), "input_depth": m.get("input_depth") or None}
         return json.dumps(ctx, sort_keys=True, default=str)
 
     @property
@@ -142,6 +144,19 @@ class MethodStats:
     config_hash: str | None = None
     context: str = ""
     baseline_row: str | None = None  # name of the row this one was paired with
+    method: str | None = None
+    k: int | None = None
+    aggregate_tok_s: float | None = None  # output tokens / wall time of the measured phase, mean of runs
+    ttft: dict[str, Any] = field(default_factory=dict)
+    tpot: dict[str, Any] = field(default_factory=dict)
+    itl: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: float | None = None
+    prefill_tok_s: float | None = None
+    acc_rate: float | None = None
+    cat_acceptance: dict[str, float] = field(default_factory=dict)
+    telemetry: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, Any] | None = None  # the check against the baseline (bench_analysis)
+    differs: bool = False
 
 
 def _mean_opt(xs: Iterable[float | None]) -> float | None:
@@ -158,19 +173,57 @@ def _mean_positions(lists: list[list[float] | None]) -> list[float] | None:
 
 
 def _row_names(keys: list[tuple[str, str | None, str, str | None]]) -> dict[tuple, str]:
-    """The label alone when it names one group; else the label with what tells its groups apart."""
-    by_label: dict[str, list[tuple]] = {}
+    """The label, with what tells rows apart: the concurrency (``c=N``) and input depth (``d=N``) when
+    the store holds several, then the configuration hash when a label still names several groups."""
+    ctxs = {k: json.loads(k[2]) for k in keys}
+    vary = [f for f in ("concurrency", "input_depth") if len({str(c.get(f)) for c in ctxs.values()}) > 1]
+    tag = {"concurrency": "c", "input_depth": "d"}
+    base = {k: " ".join([k[0]] + [f"{tag[f]}={ctxs[k].get(f) or 0}" for f in vary]) for k in keys}
+    by_name: dict[str, list[tuple]] = {}
     for k in keys:
-        by_label.setdefault(k[0], []).append(k)
+        by_name.setdefault(base[k], []).append(k)
     names: dict[tuple, str] = {}
-    for label, ks in by_label.items():
+    for name, ks in by_name.items():
         if len(ks) == 1:
-            names[ks[0]] = label
+            names[ks[0]] = name
             continue
         for n, k in enumerate(ks, 1):
-            names[k] = f"{label} [{k[1][:12]}]" if k[1] and sum(x[1] == k[1] for x in ks) == 1 else (
-                f"{label} [config {n}]")
+            names[k] = f"{name} [{k[1][:12]}]" if k[1] and sum(x[1] == k[1] for x in ks) == 1 else (
+                f"{name} [config {n}]")
     return names
+
+
+def _pooled(rs: list[RunRow], key: str) -> dict[str, Any]:
+    return describe(q.get(key) for r in rs for q in r.doc.get("requests") or [] if q.get("ok"))
+
+
+def _itl(rs: list[RunRow]) -> dict[str, Any]:
+    icl = [r.doc["summary"].get("icl_ms") or {} for r in rs]
+    return {q: _mean_opt(d.get(q) for d in icl) for q in ("median", "p95", "p99")}
+
+
+def _cat_acceptance(rs: list[RunRow]) -> dict[str, float]:
+    out: dict[str, list[float]] = {}
+    for r in rs:
+        for c, v in (r.doc.get("categories") or {}).items():
+            a = (v.get("spec") or {}).get("acceptance_rate")
+            if a is not None:
+                out.setdefault(c, []).append(a)
+    return {c: statistics.fmean(v) for c, v in out.items()}
+
+
+def _telemetry(rs: list[RunRow]) -> dict[str, Any]:
+    ts = [r.doc.get("telemetry") or {} for r in rs]
+    out: dict[str, Any] = {k: _mean_opt(t.get(k) for t in ts) for k in ("j_per_output_token", "power_w_mean")}
+    temps = [t["temp_c_max"] for t in ts if t.get("temp_c_max") is not None]
+    lo = [t["sm_clock_mhz_min"] for t in ts if t.get("sm_clock_mhz_min") is not None]
+    hi = [t["sm_clock_mhz_max"] for t in ts if t.get("sm_clock_mhz_max") is not None]
+    out.update(temp_c_max=max(temps) if temps else None, sm_clock_mhz_min=min(lo) if lo else None,
+               sm_clock_mhz_max=max(hi) if hi else None,
+               warnings=sorted({w for t in ts for w in t.get("warnings") or []}),
+               note=next((t["note"] for t in ts if t.get("note")), None if ts and any(ts) else
+                         "no telemetry recorded (runs before schema 2)"))
+    return out
 
 
 def method_table(runs: list[RunRow], baseline: str) -> list[MethodStats]:
@@ -202,8 +255,19 @@ def method_table(runs: list[RunRow], baseline: str) -> list[MethodStats]:
             per_position=_mean_positions([r.doc["spec"].get("per_position") for r in rs]),
             by_cat={c: statistics.median(xs) if xs else None for c, xs in cats.items()},
             base_label=key[0], config_hash=key[1], context=key[2],
-            baseline_row=names[bkey] if bkey is not None else None))
-    out.sort(key=lambda m: (m.base_label != baseline, -(m.decode["median"] or 0)))
+            baseline_row=names[bkey] if bkey is not None else None,
+            method=rs[0].doc.get("meta", {}).get("method"),
+            k=rs[0].doc.get("spec", {}).get("num_speculative_tokens"),
+            aggregate_tok_s=_mean_opt((r.doc["summary"].get("token_weighted") or {}).get("output_tok_s_wall")
+                                      for r in rs),
+            ttft=_pooled(rs, "ttft_s"), tpot=_pooled(rs, "tpot_ms"), itl=_itl(rs),
+            prompt_tokens=_pooled(rs, "prompt_tokens")["median"],
+            prefill_tok_s=_pooled(rs, "prefill_tok_s")["median"],
+            acc_rate=_mean_opt(r.doc["spec"].get("acceptance_rate") for r in rs),
+            cat_acceptance=_cat_acceptance(rs), telemetry=_telemetry(rs)))
+    out.sort(key=lambda m: (json.loads(m.context).get("concurrency") or 1,
+                            json.loads(m.context).get("input_depth") or 0,
+                            m.base_label != baseline, -(m.decode["median"] or 0)))
     return out
 
 
@@ -233,6 +297,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
              "runs of each method. Speedup = geometric mean of paired run-median ratios vs "
              f"`{baseline}` (pairs by repetition index, else closest start time) with a 95 % t-interval. "
              "\"Peak\" is only the labelled p95/max of per-request decode tok/s.", "",
+             *bench_analysis.recommendation_lines(stats), "",
              "## Method comparison", "",
              "| method | runs | requests | decode tok/s median | p5-p95 | mean (95% CI of run medians) | CV "
              "| peak (p95 / max) | speedup vs baseline [95% CI] | TTFT median s | mean acceptance length "
@@ -273,6 +338,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
                   "| row | configuration hash | compared with | context |", "|---|---|---|---|"]
         lines += [f"| {m.label} | {m.config_hash or '-'} | {m.baseline_row or '-'} | `{m.context}` |"
                   for m in stats]
+    lines += bench_analysis.tables(stats, baseline)
     lines += provenance_lines(stats)
     lines += ["", "## Invalid runs (excluded from the comparison)", ""]
     if invalid:
@@ -338,6 +404,31 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
     fig.savefig(out / "speedup_by_category.png", dpi=100)
     plt.close(fig)
     names.append("speedup_by_category.png")
+    if len({json.loads(m.context).get("concurrency") for m in stats}) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        series: dict[str, list[tuple[int, float | None, float | None]]] = {}
+        for m in stats:
+            c = json.loads(m.context)
+            name = (f"{m.base_label}" + (f" d={c['input_depth']}" if c.get("input_depth") else "")
+                    + (" [outputs differ]" if m.differs else ""))
+            point = (c.get("concurrency") or 1, m.decode["median"], m.aggregate_tok_s)
+            series.setdefault(name, []).append(point)
+        for j, (name, pts) in enumerate(sorted(series.items())):
+            pts.sort()
+            color = f"C{j % 10}"
+            ax.plot([p[0] for p in pts], [p[1] or 0 for p in pts], marker="o", color=color,
+                    label=f"{name} per stream")
+            ax.plot([p[0] for p in pts], [p[2] or 0 for p in pts], marker="s", ls="--", color=color,
+                    label=f"{name} aggregate")
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("decode tok/s")
+        ax.set_xticks(sorted({p[0] for pts in series.values() for p in pts}))
+        ax.set_title("tok/s against concurrency")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "tok_s_vs_concurrency.png", dpi=100)
+        plt.close(fig)
+        names.append("tok_s_vs_concurrency.png")
     return names
 
 
@@ -382,6 +473,13 @@ def make_report(store_dir: Path, out_dir: Path | None = None, baseline: str = "b
     check_report_dir(out, store_dir)
     runs = load_runs(store_dir)
     stats = method_table(runs, baseline)
+    checks = bench_analysis.output_checks(stats, baseline, pair_runs)
+    if checks:
+        conn = open_store(store_dir)
+        try:
+            record_output_checks(conn, checks)
+        finally:
+            conn.close()
     invalid = [r for r in runs if not r.valid]
     notes: list[str] = []
     if charts and stats and not _charts_available():

@@ -38,6 +38,7 @@ from sparkllm.bench_client import (
     stream_request,
 )
 from sparkllm.bench_common import DEFAULT_PROMPTS, SCRIPTS_DIR, utc_now
+from sparkllm.bench_depth import DEFAULT_TOLERANCE, at_depth, calibrate, salted_payload
 from sparkllm.bench_prometheus import (
     M_ACC_POS,
     M_ACCEPTED,
@@ -54,6 +55,7 @@ from sparkllm.bench_prometheus import (
 )
 from sparkllm.bench_prompts import Prompt, load_prompts
 from sparkllm.bench_stats import describe, fit_iid_acceptance
+from sparkllm.bench_telemetry import Telemetry
 
 TOKEN_MISMATCH_TOLERANCE = 0.01
 
@@ -76,6 +78,10 @@ class RunOptions:
     meta: dict[str, Any] = field(default_factory=dict)
     sample_interval: float = 0.2
     progress: bool = True
+    depth: int = 0  # target input tokens per request (0: the prompt set as it is)
+    depth_tolerance: float = DEFAULT_TOLERANCE
+    telemetry_interval: float = 1.0
+    nvidia_smi: str | None = None  # path of nvidia-smi (None: looked up on PATH; "": none)
 
 
 class Progress:
@@ -169,7 +175,8 @@ def _run_requests(ep: Endpoint, opts: RunOptions, work: list[RequestResult], pro
                 res = q.get_nowait()
             except queue.Empty:
                 return
-            payload = build_payload(opts.model, prompts[res.prompt_id], opts.sampling, continuous)
+            build = salted_payload if opts.depth else build_payload
+            payload = build(opts.model, prompts[res.prompt_id], opts.sampling, continuous)
             try:
                 stream_request(ep, payload, res)
             except UnsupportedOption as exc:
@@ -395,6 +402,12 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     started = utc_now()
     version = ep.get_json("/version")
     models = ep.get_json("/v1/models")
+    depth_meta = None
+    if opts.depth:
+        cal = calibrate(ep, opts.model, prompts[0], opts.depth, opts.sampling, opts.depth_tolerance)
+        prompts = [at_depth(p, cal.words, i) for i, p in enumerate(prompts)]
+        by_id = {p.id: p for p in prompts}
+        depth_meta = cal.as_dict()
     continuous = _detect_continuous(ep, opts.model, prompts[0], opts.sampling)
     warm = [RequestResult(-1 - i, prompts[i % len(prompts)].id, prompts[i % len(prompts)].category, -1)
             for i in range(opts.warmup)]
@@ -405,6 +418,8 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     snap0 = _quiet_snapshot(ep)
     sampler = RunningSampler(ep, opts.sample_interval, snap0)
     sampler.start()
+    telemetry = Telemetry(opts.telemetry_interval, opts.nvidia_smi)
+    telemetry.start()
     results: list[RequestResult] = []
     spec_by_cat: dict[str, dict[str, Any]] = {}
     extra: list[str] = []
@@ -424,6 +439,7 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     prog.close()
     sampler.stop_evt.set()
     sampler.join()
+    telemetry.stop()
     client_tokens = sum(r.output_tokens or 0 for r in results if r.ok)
     snap1 = _settled_snapshot(ep, client_tokens, snap0) if len(blocks) == 1 else prev
     spec_all = spec_metrics(snap0, snap1, _k_hint(opts.meta))
@@ -432,7 +448,7 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     meta = build_meta(opts, version, models, prompt_sha, len(prompts), continuous, started, sampler)
     run_id = make_run_id(opts.label)
     doc = {
-        "schema": 1, "run_id": run_id, "label": opts.label, "valid": not problems, "problems": problems,
+        "schema": 2, "run_id": run_id, "label": opts.label, "valid": not problems, "problems": problems,
         "summary": summarise(results, wall), "spec": spec_all,
         "spec_counters": {"before": raw_counters(snap0), "after": raw_counters(snap1)},
         "categories": per_category(results, spec_by_cat), "meta": meta,
@@ -440,6 +456,19 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         "errors_sample": sorted({r.error for r in results if r.error})[:5],
     }
     doc["meta"]["finished_utc"] = utc_now()
+    doc["meta"]["input_depth"] = opts.depth or None
+    doc["meta"]["depth"] = depth_meta
+    if depth_meta:
+        got = [r.prompt_tokens for r in results if r.ok and r.prompt_tokens]
+        off = [t for t in got if abs(t - opts.depth) > opts.depth_tolerance * opts.depth]
+        depth_meta["prompt_tokens"] = describe(got)
+        depth_meta["outside_tolerance"] = len(off)
+    doc["telemetry"] = telemetry.summary(client_tokens)
+    doc["warnings"] = list(doc["telemetry"]["warnings"])
+    if depth_meta and depth_meta["outside_tolerance"]:
+        doc["warnings"].append(f"{depth_meta['outside_tolerance']} request(s) outside the depth tolerance")
+    doc["summary"]["prefill_tok_s"] = describe(r.prefill_tok_s for r in results if r.ok)
+    doc["summary"]["prompt_tokens"] = describe(r.prompt_tokens for r in results if r.ok)
     return doc
 
 

@@ -1,7 +1,9 @@
 """bench: the SQLite results store and the import of run JSON files (standard library only).
 
-Results store (SQLite, ``DIR/results.sqlite``), schema version 1 (``PRAGMA user_version`` and
-table ``schema``; see docs/results-store.md)::
+Results store (SQLite, ``DIR/results.sqlite``), schema version 2 (``PRAGMA user_version`` and
+table ``schema``; see docs/results-store.md). Version 1 below; version 2 adds (``MIGRATIONS``)
+runs.input_depth/output_tok_s_aggregate/j_per_output_token/warnings, requests.prompt_tokens/
+prefill_tok_s/output_sha256/output_text and table output_checks::
 
     schema(version INTEGER PRIMARY KEY, applied_utc TEXT, description TEXT)
     runs(run_id TEXT PRIMARY KEY, label TEXT, method TEXT, config_hash TEXT, repetition INTEGER,
@@ -31,7 +33,7 @@ from sparkllm.bench_common import UsageError, utc_now
 from sparkllm.fileio import write_bytes_atomic
 
 STORE_NAME = "results.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 
@@ -54,7 +56,32 @@ CREATE TABLE IF NOT EXISTS requests (
     decode_s REAL, e2e_s REAL, decode_tok_s REAL, tpot_ms REAL, tokens_per_chunk REAL,
     PRIMARY KEY (run_id, idx));
 """),
+    (2, "load, depth, outputs and energy: request outputs, run depth/energy, output checks", """
+ALTER TABLE runs ADD COLUMN input_depth INTEGER;
+ALTER TABLE runs ADD COLUMN output_tok_s_aggregate REAL;
+ALTER TABLE runs ADD COLUMN j_per_output_token REAL;
+ALTER TABLE runs ADD COLUMN warnings TEXT;
+ALTER TABLE requests ADD COLUMN prompt_tokens INTEGER;
+ALTER TABLE requests ADD COLUMN prefill_tok_s REAL;
+ALTER TABLE requests ADD COLUMN output_sha256 TEXT;
+ALTER TABLE requests ADD COLUMN output_text TEXT;
+CREATE TABLE IF NOT EXISTS output_checks (
+    run_id TEXT PRIMARY KEY REFERENCES runs(run_id), baseline_run_id TEXT, compared INTEGER,
+    identical_share REAL, median_prefix_share REAL, floor_identical_share REAL,
+    floor_median_prefix_share REAL, differs INTEGER NOT NULL, checked_utc TEXT NOT NULL);
+"""),
 ]
+
+RUN_COLUMNS = ("run_id", "label", "method", "config_hash", "repetition", "valid", "problems", "started_utc",
+               "finished_utc", "concurrency", "requests", "errors", "output_tokens", "decode_tok_s_median",
+               "decode_tok_s_p5", "decode_tok_s_p95", "decode_tok_s_mean", "ttft_s_median", "tpot_ms_median",
+               "tokens_per_chunk_median", "acceptance_rate", "mean_acceptance_length",
+               "effective_tokens_per_step", "doc", "input_depth", "output_tok_s_aggregate",
+               "j_per_output_token", "warnings")
+REQUEST_COLUMNS = ("run_id", "idx", "prompt_id", "category", "repeat", "ok", "error", "output_tokens",
+                   "chunks",
+                   "ttft_s", "decode_s", "e2e_s", "decode_tok_s", "tpot_ms", "tokens_per_chunk",
+                   "prompt_tokens", "prefill_tok_s", "output_sha256", "output_text")
 
 
 def migrate(conn: sqlite3.Connection) -> int:
@@ -83,27 +110,43 @@ def open_store(directory: Path) -> sqlite3.Connection:
 
 
 def store_run(conn: sqlite3.Connection, doc: dict[str, Any]) -> bool:
-    """Insert one run document; returns False if that run id is already stored (idempotent)."""
+    """Insert one run document; returns False if that run id is already stored (idempotent).
+    Documents of schema 1 (before load, depth, outputs and telemetry) store NULL in the newer columns."""
     s, sp, meta = doc.get("summary", {}), doc.get("spec", {}), doc.get("meta", {})
     dec = s.get("decode_tok_s", {})
     rep = meta.get("repetition")
+    tel = doc.get("telemetry") or {}
     row = (doc["run_id"], doc["label"], meta.get("method"), meta.get("config_hash"),
            int(rep) if rep is not None else None, int(bool(doc["valid"])), json.dumps(doc["problems"]),
            meta.get("started_utc"), meta.get("finished_utc"), meta.get("concurrency"), s.get("requests"),
            s.get("errors"), s.get("output_tokens"), dec.get("median"), dec.get("p5"), dec.get("p95"),
            dec.get("mean"), s.get("ttft_s", {}).get("median"), s.get("tpot_ms", {}).get("median"),
            s.get("tokens_per_chunk", {}).get("median"), sp.get("acceptance_rate"),
-           sp.get("mean_acceptance_length"), sp.get("effective_tokens_per_step"), json.dumps(doc))
+           sp.get("mean_acceptance_length"), sp.get("effective_tokens_per_step"), json.dumps(doc),
+           meta.get("input_depth"), (s.get("token_weighted") or {}).get("output_tok_s_wall"),
+           tel.get("j_per_output_token"), json.dumps(doc.get("warnings") or []))
     with conn:
-        cur = conn.execute(f"INSERT OR IGNORE INTO runs VALUES ({','.join('?' * len(row))})", row)
+        cur = conn.execute(f"INSERT OR IGNORE INTO runs ({','.join(RUN_COLUMNS)}) "
+                           f"VALUES ({','.join('?' * len(row))})", row)
         if cur.rowcount == 0:
             return False
         conn.executemany(
-            "INSERT OR IGNORE INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            [(doc["run_id"], r["idx"], r["prompt_id"], r["category"], r["repeat"], int(bool(r["ok"])),
-              r["error"], r["output_tokens"], r["chunks"], r["ttft_s"], r["decode_s"], r["e2e_s"],
-              r["decode_tok_s"], r["tpot_ms"], r["tokens_per_chunk"]) for r in doc.get("requests", [])])
+            f"INSERT OR IGNORE INTO requests ({','.join(REQUEST_COLUMNS)}) "
+            f"VALUES ({','.join('?' * len(REQUEST_COLUMNS))})",
+            [(doc["run_id"], *(int(bool(r["ok"])) if c == "ok" else r.get(c) for c in REQUEST_COLUMNS[1:]))
+             for r in doc.get("requests", [])])
     return True
+
+
+def record_output_checks(conn: sqlite3.Connection, checks: Sequence[dict[str, Any]]) -> None:
+    """Replace the stored output check of each run named (written by the report, which computes them)."""
+    with conn:
+        conn.executemany(
+            "INSERT OR REPLACE INTO output_checks VALUES (?,?,?,?,?,?,?,?,?)",
+            [(c["run_id"], c.get("baseline_run_id"), c.get("compared"), c.get("identical_share"),
+              c.get("median_prefix_share"), c.get("floor_identical_share"),
+              c.get("floor_median_prefix_share"),
+              int(bool(c["differs"])), utc_now()) for c in checks])
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -78,4 +78,16 @@ PY
     rm -f "${wheels}"/vllm-"${dflash_version}"-*.whl
   fi
 done
+# 3. CMake from PyPI (tests/contract/test_build_arch_contract.py runs vLLM's own arch selection in `cmake -P`)
+#    and the pinned sdist of every variant (data/vllm_sdists.json, sha256-checked; .cache/vllm-sdist, extracted
+#    to .cache/vllm-src/<V>): downloaded once, a rerun only checks the stamps.
+cmake_version="4.4.5"
+if "${venv}/bin/cmake" --version 2>/dev/null | grep -qx "cmake version ${cmake_version}"; then
+  echo "setup_vllm_env: cmake ${cmake_version} already in ${venv}"
+else
+  echo "setup_vllm_env: installing cmake==${cmake_version} into ${venv}"
+  "${venv}/bin/python" -m pip install --quiet --progress-bar off "cmake==${cmake_version}"
+fi
+"${venv}/bin/python" "${repo_root}/tests/contract/vllm_sources.py"
+
 echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}" | cut -f1)"

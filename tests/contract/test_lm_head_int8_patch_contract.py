@@ -4,8 +4,10 @@ Every test runs once per version (ids ``0.19.1``, ``0.20.0`` and ``0.26.0``; 0.2
 the pure-Python part of their wheels in .cache/vllm-<version>-py, as in
 test_inc_hybrid_patch_contract.py).
 
-- The patch applies (git apply and patch -p1) to the pristine files it touches, on top of 0001,
-  and adds exactly patches/src/sparkllm_lm_head_int8.py.
+- The patch applies (git apply and patch -p1) to the pristine files it touches, on top of 0001; it
+  holds only the call site: the module it imports is patches/src/sparkllm_lm_head_int8.py, which
+  roles/vllm_build/files/apply_patches.sh (the image's patch step, run here) installs once where the
+  call site imports it (patches/src/modules).
 - lm_head_probe.py drives vLLM's own layers on the CPU platform (see its docstring) in four
   configurations, run concurrently:
   * patched, SPARKLLM_LM_HEAD_INT8=1 (CPU kernel: torch's _weight_int8pack_mm),
@@ -46,6 +48,7 @@ PATCH_NAME = "0002-int8-lm-head.patch"
 UTILS_REL = Path("vllm/model_executor/model_loader/utils.py")
 NEW_REL = Path("vllm/model_executor/layers/sparkllm_lm_head_int8.py")
 SOURCE = ROOT / "patches" / "src" / "sparkllm_lm_head_int8.py"
+APPLY = ROOT / "roles" / "vllm_build" / "files" / "apply_patches.sh"
 LOG_RE = re.compile(r"sparkllm: lm_head INT8 \(per-row\), 1024x384 in CausalLM \(lm_head\), kernel (\w+), "
                     r"weight max abs err ([0-9.e+-]+) \(max \|w\| [0-9.e+-]+\), check logits max abs err "
                     r"([0-9.e+-]+) vs bfloat16, 0\.8 MiB -> 0\.4 MiB")
@@ -70,7 +73,8 @@ def git(*args, cwd) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def lm_patched_parent(lm_target, tmp_path_factory) -> Path:
-    """A copy of the pristine vllm package with the whole series applied."""
+    """A copy of the pristine vllm package with the whole series applied by the image's own patch step
+    (apply_patches.sh: the modules of patches/src first, then the series)."""
     parent = tmp_path_factory.mktemp(f"lm-head-site-{lm_target.version}")
 
     def copy(src, dst):
@@ -80,9 +84,11 @@ def lm_patched_parent(lm_target, tmp_path_factory) -> Path:
             shutil.copy2(src, dst)
 
     shutil.copytree(lm_target.package, parent / "vllm", copy_function=copy)
-    for patch in series(lm_target):
-        applied = git("apply", str(patch), cwd=parent)
-        assert applied.returncode == 0, f"{patch.name}: {applied.stderr}"
+    applied = subprocess.run(["sh", str(APPLY), str(lm_target.patch_dir), str(parent), str(SOURCE.parent)],
+                             capture_output=True, text=True, check=False)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert f"applied {len(series(lm_target))} patch(es)" in applied.stdout
+    assert (parent / NEW_REL).read_bytes() == SOURCE.read_bytes()
     return parent
 
 
@@ -138,7 +144,7 @@ def test_patch_applies_to_pristine_files(lm_target, tmp_path):
     check = git("apply", "--check", "-v", str(patch), cwd=tree)
     assert check.returncode == 0, check.stderr
     assert git("apply", str(patch), cwd=tree).returncode == 0
-    assert (tree / NEW_REL).read_text() == SOURCE.read_text(), "the patch's new file is not patches/src's"
+    assert not (tree / NEW_REL).exists(), "the patch embeds the module again (carried once in patches/src)"
     assert "sparkllm_lm_head_int8.quantize_lm_heads(model)" in (tree / UTILS_REL).read_text()
     assert git("apply", "--check", "-R", str(patch), cwd=tree).returncode == 0
     assert not (lm_target.package / NEW_REL.relative_to("vllm")).exists(), "pristine vLLM has our file"
@@ -153,8 +159,43 @@ def test_patch_p1_works_in_site_packages_layout(lm_target, tmp_path):
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fuzz" not in proc.stdout.lower() and "offset" not in proc.stdout.lower()
-    assert (tree / NEW_REL).read_text() == SOURCE.read_text()
+    assert not (tree / NEW_REL).exists()
 
+
+def test_the_call_site_imports_the_module_from_where_the_patch_step_installs_it(lm_patched_parent):
+    """In the patched tree (modules installed by apply_patches.sh, then the series): the import the call
+    site makes resolves to patches/src's file, under the real vllm package of this version."""
+    probe = ("import importlib.util, sys; sys.path.insert(0, sys.argv[1]); "
+             "spec = importlib.util.find_spec('vllm.model_executor.layers.sparkllm_lm_head_int8'); "
+             "print(spec.origin)")
+    out = subprocess.run([sys.executable, "-c", probe, str(lm_patched_parent)], capture_output=True,
+                         text=True, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert Path(out.stdout.strip()) == lm_patched_parent / NEW_REL
+    utils = (lm_patched_parent / UTILS_REL).read_text()
+    assert "from vllm.model_executor.layers import sparkllm_lm_head_int8" in utils
+
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_gpu_e2e_staging_installs_the_module_too(lm_target, tmp_path):
+    """tests/gpu/e2e.py stages its patched vLLM itself (patch -p1 on a copy): it must install the carried
+    module as well, or the GPU run's INT8 case would fail at import. Run on a stock tree holding the real
+    files the series touches."""
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    try:
+        import e2e
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "gpu"))
+    stock = tmp_path / "stock"
+    for patch in series(lm_target):
+        for rel in re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), flags=re.M):
+            (stock / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(lm_target.parent / rel, stock / rel)
+    dest, names = e2e.patched_vllm(tmp_path / "work", stock, lm_target.version)
+    assert names == [p.name for p in series(lm_target)]
+    assert (dest / NEW_REL).read_bytes() == SOURCE.read_bytes()
+    assert "sparkllm_lm_head_int8.quantize_lm_heads(model)" in (dest / UTILS_REL).read_text()
 
 # --- behaviour ------------------------------------------------------------------------------------
 

@@ -34,6 +34,8 @@ MAIN_OPTIONS = [
     ("per-method-backends", {"vllm_attention_backend": "TRITON_ATTN",
                              "vllm_attention_backends": {"baseline": "FLASH_ATTN", "dflash": "FLASHINFER"}}),
     ("tools-off", {"vllm_enable_auto_tool_choice": False}),
+    # a 590.x driver accepted by preflight: every method serves eager (no CUDA-graph capture)
+    ("bad-driver-eager", {"spark_bad_driver_enforce_eager": True}),
     ("serving-knobs", {"vllm_enable_prefix_caching": True, "vllm_max_num_seqs": 8,
                        "vllm_load_format": "safetensors", "vllm_tool_call_parser": "qwen3_xml"}),
     ("load-format-fastsafetensors", {"vllm_load_format": "fastsafetensors"}),
@@ -79,7 +81,8 @@ def assert_parsed_matches(parsed: dict, s: dict, catalogue: dict, argv: list[str
     assert parsed["attention_backend"] == backend
     assert parsed["attention_backend_resolved"] == backend, parsed
     extra = s.get("vllm_serve_extra_args") or []
-    assert parsed["enforce_eager"] is ("--enforce-eager" in extra)
+    forced = s["spark_bad_driver_enforce_eager"] is True  # a 590.x driver accepted by preflight
+    assert parsed["enforce_eager"] is ("--enforce-eager" in extra or forced)
     if s["vllm_max_num_seqs"] is not None:
         assert parsed["max_num_seqs"] == s["vllm_max_num_seqs"]
     else:

@@ -151,8 +151,8 @@ def build_models(work: Path) -> dict:
 
 
 def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list[str]]:
-    """A copy of the installed vllm package with our series applied by ``patch -p1`` (the
-    installed package is never modified)."""
+    """A copy of the installed vllm package with the modules of patches/src installed (patches/src/modules)
+    and our series applied by ``patch -p1`` (the installed package is never modified)."""
     series_dir = ROOT / "patches" / f"vllm-{version}"
     names = [ln.strip() for ln in (series_dir / "series").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
@@ -162,6 +162,13 @@ def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     shutil.copytree(stock_site / "vllm", dest / "vllm", symlinks=True)
+    # the modules the patches call, carried once in patches/src (what apply_patches.sh installs first)
+    src = ROOT / "patches" / "src"
+    for line in (src / "modules").read_text().splitlines():
+        fields = line.split("#", 1)[0].split()
+        if fields:
+            (dest / fields[1]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / fields[0], dest / fields[1])
     for name in names:
         diff = (series_dir / name).read_text()
         r = run(["patch", "-p1", "-d", str(dest), "--forward", "--batch"], input=diff)

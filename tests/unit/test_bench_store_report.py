@@ -38,7 +38,7 @@ def test_cli_run_writes_json_and_store(tmp_path: Path, capsys: pytest.CaptureFix
     assert m["method"] == "mtp" and "gpu" in m and m["started_utc"].endswith("Z")
     conn = sqlite3.connect(tmp_path / "out" / bench_store.STORE_NAME)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == bench_store.SCHEMA_VERSION
-    assert conn.execute("SELECT version FROM schema").fetchall() == [(1,)]
+    assert conn.execute("SELECT version FROM schema").fetchall() == [(1,), (2,)]
     run = conn.execute("SELECT label, repetition, config_hash, valid FROM runs").fetchall()
     assert run == [("mtp-k2", 2, "abc", 1)]
     assert conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 4
@@ -55,8 +55,8 @@ def test_store_refuses_newer_schema(tmp_path: Path) -> None:
 
 def test_migrate_is_idempotent(tmp_path: Path) -> None:
     conn = bench_store.open_store(tmp_path)
-    assert bench_store.migrate(conn) == 1
-    assert conn.execute("SELECT COUNT(*) FROM schema").fetchone()[0] == 1
+    assert bench_store.migrate(conn) == bench_store.SCHEMA_VERSION
+    assert conn.execute("SELECT COUNT(*) FROM schema").fetchone()[0] == bench_store.SCHEMA_VERSION
 
 
 def test_import_idempotent(tmp_path: Path) -> None:

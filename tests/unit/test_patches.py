@@ -141,38 +141,72 @@ LM_HEAD_SOURCE = PATCHES / "src" / "sparkllm_lm_head_int8.py"
 LM_HEAD_LOG = '"sparkllm: lm_head INT8 (per-row), %dx%d in %s (%s), kernel %s, weight max abs err "'
 
 
-def added_file(text: str, path: str) -> str:
-    """The content a patch gives a file it creates (the '+' lines of its single hunk)."""
-    body = text.split(f"+++ {path}\n", 1)[1]
-    lines = []
-    for line in body.splitlines()[1:]:  # after the @@ header
-        if line.startswith("diff --git"):
-            break
-        assert line.startswith("+"), line
-        lines.append(line[1:])
-    return "\n".join(lines) + "\n"
+MODULE_DEST = "vllm/model_executor/layers/sparkllm_lm_head_int8.py"
+MODULE_IMPORT = "    from vllm.model_executor.layers import sparkllm_lm_head_int8"
+
+
+def module_manifest() -> dict[str, str]:
+    """patches/src/modules: file in patches/src -> where apply_patches.sh installs it."""
+    entries = {}
+    for line in (PATCHES / "src" / "modules").read_text().splitlines():
+        fields = line.split("#", 1)[0].split()
+        if fields:
+            assert len(fields) == 2, line
+            entries[fields[0]] = fields[1]
+    return entries
 
 
 @pytest.mark.parametrize("version", INC_VERSIONS)
-def test_lm_head_patch_adds_our_module_and_the_hook(version):
+def test_lm_head_patch_holds_only_the_call_site(version):
+    """The module is carried once (patches/src, installed by apply_patches.sh); each version's 0002 is
+    the hook in process_weights_after_loading and nothing else."""
     patch = PATCHES / f"vllm-{version}" / "0002-int8-lm-head.patch"
     assert series(PATCHES / f"vllm-{version}")[-1] == patch.name
     text = patch.read_text()
     files = parse_unified_diff(text)
     assert [(f["old"], f["new"]) for f in files] == [
-        ("/dev/null", "b/vllm/model_executor/layers/sparkllm_lm_head_int8.py"),
         ("a/vllm/model_executor/model_loader/utils.py", "b/vllm/model_executor/model_loader/utils.py"),
     ]
     header = text.split("diff --git", 1)[0]
     assert "Subject:" in header and "SPARKLLM_LM_HEAD_INT8" in header
-    # the module in the patch is patches/src's file, byte for byte (edit that one, regenerate)
-    module = added_file(text, "b/vllm/model_executor/layers/sparkllm_lm_head_int8.py")
-    assert module == LM_HEAD_SOURCE.read_text()
     hook = text.split("+++ b/vllm/model_executor/model_loader/utils.py", 1)[1]
     added = [ln[1:] for ln in hook.splitlines() if ln.startswith("+")]
+    assert MODULE_IMPORT in added
     assert "    if sparkllm_lm_head_int8.enabled():" in added
     assert "        sparkllm_lm_head_int8.quantize_lm_heads(model)" in added
     assert not [ln for ln in hook.splitlines() if ln.startswith("-")], "the hook only adds lines"
+    # the call site imports the module from where the manifest installs it
+    assert module_manifest()["sparkllm_lm_head_int8.py"] == MODULE_DEST
+    package, module = re.fullmatch(r"from (\S+) import (\w+)", MODULE_IMPORT.strip()).groups()
+    assert f"{package.replace('.', '/')}/{module}.py" == MODULE_DEST
+
+
+@pytest.mark.parametrize("directory", VERSION_DIRS, ids=lambda d: d.name)
+def test_no_patch_embeds_a_carried_module(directory):
+    """A module of patches/src is carried once: no patch creates a file the manifest installs, and no
+    patch adds a run of the module's own lines (a copy pasted into another file)."""
+    dests = {f"b/{d}" for d in module_manifest().values()}
+    module_lines = {name: [ln for ln in (PATCHES / "src" / name).read_text().splitlines()
+                           if len(ln.strip()) > 20]
+                    for name in module_manifest()}
+    for name in series(directory):
+        text = (directory / name).read_text()
+        created = {f["new"] for f in parse_unified_diff(text)}
+        assert not created & dests, f"{name} creates {created & dests}, which patches/src/modules installs"
+        added = {ln[1:] for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++")}
+        for module, lines in module_lines.items():
+            shared = sum(1 for ln in lines if ln in added)
+            assert shared < 10, f"{name} adds {shared} lines of patches/src/{module}: carry it once, call it"
+
+
+def test_every_module_in_the_manifest_exists_and_is_python():
+    manifest = module_manifest()
+    assert manifest, "patches/src/modules lists no module"
+    for name, dest in manifest.items():
+        assert (PATCHES / "src" / name).is_file(), name
+        assert dest.startswith("vllm/") and dest.endswith(".py") and ".." not in dest, dest
+    # and nothing in patches/src is left out of the manifest (it would never reach the image)
+    assert {p.name for p in (PATCHES / "src").iterdir() if p.name != "modules"} == set(manifest)
 
 
 def test_lm_head_module_says_what_it_logs():

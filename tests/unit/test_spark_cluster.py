@@ -114,7 +114,8 @@ def test_sync_key_options_refuse_anything_that_could_widen_the_entry(ip, command
 
 def test_filters_registered():
     assert set(FilterModule().filters()) == {"spark_ray_port_args", "spark_ray_firewall_ports",
-                                             "spark_link_networks", "spark_sync_key_options"}
+                                             "spark_link_networks", "spark_sync_key_options",
+                                             "spark_nccl_transport", "spark_link_roce_hcas"}
 
 
 def _firewall(nets: list[str]) -> str:
@@ -145,3 +146,102 @@ def test_firewall_file_parses_with_nft(tmp_path):
     if proc.returncode != 0 and "Operation not permitted" in proc.stderr:
         pytest.skip("nft -c needs CAP_NET_ADMIN")
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- spark_nccl_transport: NCCL's own INFO lines (NCCL_DEBUG=INFO), as a server's journal carries them
+
+_HEAD = "spark-a:2201:2390 [0] NCCL INFO "
+_WORKER = "(RayWorkerWrapper pid=812, ip=192.168.100.11) spark-b:812:901 [1] NCCL INFO "
+IB_LOG = "\n".join([
+    _HEAD + "NCCL_IB_HCA set to rocep1s0f1,roceP2p1s0f1",
+    _HEAD + "NET/IB : Using [0]rocep1s0f1:1/RoCE [1]roceP2p1s0f1:1/RoCE [RO]; "
+            "OOB enp1s0f1np1:192.168.100.10<0>",
+    _HEAD + "Using network IB",
+    _WORKER + "NET/IB : Using [0]rocep1s0f1:1/RoCE [1]roceP2p1s0f1:1/RoCE [RO]; "
+              "OOB enp1s0f1np1:192.168.100.11<0>",
+    _WORKER + "Using network IB",
+    _HEAD + "Channel 00/0 : 0[0] -> 1[0] [send] via NET/IB/0",
+])
+SOCKET_LOG = "\n".join([
+    _HEAD + "Failed to open libibverbs.so[.1]",
+    _HEAD + "NET/Socket : Using [0]enp1s0f1np1:192.168.100.10<0>",
+    _HEAD + "Using network Socket",
+    _WORKER + "NET/IB : No device found.",
+    _WORKER + "Using network Socket",
+])
+
+
+def test_nccl_over_roce_is_accepted_with_its_devices():
+    from spark_cluster import spark_nccl_transport
+    res = spark_nccl_transport(IB_LOG, "rocep1s0f1,roceP2p1s0f1")
+    assert res["ok"] is True and res["transport"] == "IB"
+    assert res["devices"] == ["rocep1s0f1:1/RoCE", "roceP2p1s0f1:1/RoCE"]
+    assert "rocep1s0f1:1/RoCE" in res["reason"] and "2 communicators" in res["reason"]
+
+
+def test_nccl_socket_fallback_is_refused_with_the_reasons_the_log_gives():
+    from spark_cluster import spark_nccl_transport
+    res = spark_nccl_transport(SOCKET_LOG, ["rocep1s0f1"])
+    assert res["ok"] is False and res["transport"] == "Socket"
+    assert res["reason"].startswith("NCCL fell back to TCP sockets over [0]enp1s0f1np1:192.168.100.10<0>")
+    assert "RDMA user libraries" in res["reason"] and "templates/Dockerfile.j2" in res["reason"]
+    assert "/dev/infiniband is not in the container" in res["reason"]
+    assert "NCCL_IB_HCA=rocep1s0f1" in res["reason"]
+
+
+def test_one_rank_on_sockets_is_enough_to_fail():
+    from spark_cluster import spark_nccl_transport
+    mixed = IB_LOG.replace(_WORKER + "Using network IB", _WORKER + "Using network Socket")
+    res = spark_nccl_transport(mixed, "rocep1s0f1,roceP2p1s0f1")
+    assert res["ok"] is False and "1 of 2 communicators" in res["reason"]
+    assert "names no cause" in res["reason"] and "NCCL_IB_DISABLE=0" in res["reason"]
+
+
+def test_nccl_on_a_device_that_is_not_the_link_is_refused():
+    from spark_cluster import spark_nccl_transport
+    res = spark_nccl_transport(IB_LOG.replace("roceP2p1s0f1:1", "mlx5_4:1"), "rocep1s0f1,roceP2p1s0f1")
+    assert res["ok"] is False and "mlx5_4:1/RoCE" in res["reason"]
+    assert "not the link's RoCE devices" in res["reason"]
+
+
+def test_a_log_without_nccl_lines_names_nccl_debug():
+    from spark_cluster import FilterModule, spark_nccl_transport
+    res = spark_nccl_transport("INFO 12-01 vLLM API server started\n", "rocep1s0f1")
+    assert res["ok"] is False and res["transport"] == "none" and "NCCL_DEBUG=INFO" in res["reason"]
+    assert FilterModule().filters()["spark_nccl_transport"] is spark_nccl_transport
+
+
+# ---- spark_link_roce_hcas: NCCL_IB_HCA from the link interfaces' RoCE devices (find results of sysfs)
+
+
+def _find(iface, *devs):
+    return {"item": iface, "matched": len(devs),
+            "files": [{"path": f"/sys/class/net/{iface}/device/infiniband/{d}"} for d in devs]}
+
+
+SPARK_LINK = [_find("enp1s0f1np1", "rocep1s0f1"), _find("enP2p1s0f1np1", "roceP2p1s0f1")]
+
+
+def test_hcas_are_derived_from_every_link_interface():
+    from spark_cluster import spark_link_roce_hcas
+    res = spark_link_roce_hcas(SPARK_LINK, [], "enp1s0f1np1")
+    assert res["error"] == "" and res["hcas"] == ["rocep1s0f1", "roceP2p1s0f1"]
+    assert res["by_iface"] == {"enp1s0f1np1": ["rocep1s0f1"], "enP2p1s0f1np1": ["roceP2p1s0f1"]}
+
+
+def test_an_interface_without_a_roce_device_is_named():
+    from spark_cluster import spark_link_roce_hcas
+    res = spark_link_roce_hcas([_find("eth0")], [], "eth0")
+    assert "link interface eth0 has no RoCE device (/sys/class/net/eth0/device/infiniband" in res["error"]
+
+
+@pytest.mark.parametrize("explicit, fragment", [
+    (["rocep1s0f0"], "names rocep1s0f0, which is not a RoCE device of the link"),   # the other port's device
+    (["roceP2p1s0f1"], "does not name the RoCE device of the NCCL interface enp1s0f1np1"),
+])
+def test_an_explicit_list_must_name_the_links_devices(explicit, fragment):
+    from spark_cluster import spark_link_roce_hcas
+    res = spark_link_roce_hcas(SPARK_LINK, explicit, "enp1s0f1np1")
+    assert fragment in res["error"] and "enp1s0f1np1 -> rocep1s0f1" in res["error"]
+    ok = spark_link_roce_hcas(SPARK_LINK, ["rocep1s0f1"], "enp1s0f1np1")
+    assert ok["error"] == "" and ok["hcas"] == ["rocep1s0f1"]

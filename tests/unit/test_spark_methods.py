@@ -94,6 +94,7 @@ def test_plugin_defaults_match_main_yml(main_yml):
         "spark_distributed_backend", "vllm_attention_backend", "vllm_serve_extra_args",
         "vllm_attention_backends", "vllm_enable_auto_tool_choice", "vllm_tool_call_parser",
         "vllm_enable_prefix_caching", "vllm_max_num_seqs", "vllm_load_format", "vllm_lm_head_int8",
+        "spark_bad_driver_enforce_eager",
     }
     assert set(main_yml) == required
 
@@ -614,4 +615,64 @@ def test_max_num_seqs_and_load_format(catalogue, load_format):
     assert opt(argv, "--max-num-seqs") == "8"
     assert opt(argv, "--load-format") == load_format
     default = spark_serve_argv(settings(), catalogue)
-    assert "--max-num-seqs" not in default and "--load-format" not in default
+    # one-user default (issue 22): 4 sequences, not vLLM's 1024; null leaves the flag out
+    assert opt(default, "--max-num-seqs") == "4" and opt(default, "--load-format") == "fastsafetensors"
+    assert "--max-num-seqs" not in spark_serve_argv(settings(vllm_max_num_seqs=None), catalogue)
+
+
+# ---- spark_bad_driver_enforce_eager: a 590.x driver accepted by preflight serves every method eager
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bad_driver_opt_in_serves_every_method_eager(catalogue, method):
+    base = settings(spec_method=method)
+    assert "--enforce-eager" not in spark_serve_argv(base, catalogue)
+    argv = spark_serve_argv(settings(spec_method=method, spark_bad_driver_enforce_eager=True), catalogue)
+    assert argv.count("--enforce-eager") == 1
+    assert [a for a in argv if a != "--enforce-eager"] == spark_serve_argv(base, catalogue)
+
+
+@pytest.mark.parametrize("extra", [["--enforce-eager"], ["--no-enforce-eager"], ["--enforce_eager"],
+                                   ["--no_enforce_eager=1"]])
+def test_extra_args_may_not_repeat_or_undo_the_forced_eager(catalogue, extra):
+    errors = spark_method_settings_errors(
+        settings(spark_bad_driver_enforce_eager=True, vllm_serve_extra_args=extra), catalogue)
+    assert len(errors) == 1, errors
+    assert "spark_bad_driver_enforce_eager" in errors[0] and "vllm_serve_extra_args" in errors[0]
+    # without the opt-in the owner's own --enforce-eager stays a free choice
+    assert spark_method_settings_errors(settings(vllm_serve_extra_args=extra), catalogue) == []
+
+
+def test_bad_driver_opt_in_must_be_a_boolean(catalogue):
+    (error,) = spark_method_settings_errors(settings(spark_bad_driver_enforce_eager="true"), catalogue)
+    assert "spark_bad_driver_enforce_eager" in error and "boolean" in error
+
+
+def test_bad_driver_opt_in_is_a_serve_knob():
+    # the serve role hands it to the filter, so its value reaches the argv and the serve fingerprint
+    names = yaml.safe_load((ROOT / "roles/serve/vars/main.yml").read_text())["_serve_knob_names"]
+    assert "spark_bad_driver_enforce_eager" in names
+    assert "spark_bad_driver_enforce_eager" in SETTING_DEFAULTS
+
+
+# ---- spark_server_env: one environment for the server container and every Ray process
+
+
+def test_server_env_of_dflash_and_the_int8_head(catalogue):
+    from spark_methods import spark_server_env
+    assert spark_server_env("dflash", catalogue) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert spark_server_env("mtp", catalogue) == {}
+    assert spark_server_env("mtp", catalogue, True) == {"SPARKLLM_LM_HEAD_INT8": "1"}
+    assert spark_server_env("dflash", catalogue, True) == {"SPARKLLM_LM_HEAD_INT8": "1",
+                                                           "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert spark_server_env("mtp", catalogue, False) == {}
+
+
+def test_server_env_refuses_values_a_unit_would_misread(catalogue):
+    from spark_methods import spark_server_env
+    bad = dict(catalogue)
+    bad["mtp"] = {**catalogue["mtp"], "server_env": {"VLLM_X": "a b"}}
+    with pytest.raises(CatalogueError, match="server_env"):
+        spark_server_env("mtp", bad)
+    with pytest.raises(ValueError, match="spec_method"):
+        spark_server_env("bogus", catalogue)

@@ -34,6 +34,17 @@ def test_inputs_are_the_roles_defaults_and_the_group_vars_they_mention():
     assert FilterModule().filters()["spark_stage_input_names"]("bench") == st.input_names("bench")
 
 
+def test_the_bad_driver_opt_in_reruns_preflight_and_serve():
+    # one knob read by both stages: accepting a 590 driver (preflight) and serving eager (serve)
+    for stage in ("preflight", "serve"):
+        assert "spark_bad_driver_enforce_eager" in st.input_names(stage), stage
+        off = {"spec_method": "mtp", "spark_bad_driver_enforce_eager": False}
+        fp = spark_stage_gate(stage, off, {"salt": "s"})["fingerprint"]
+        on = dict(off, spark_bad_driver_enforce_eager=True)
+        assert spark_stage_gate(stage, on, _probe(stage, fp))["current"] is False, stage
+        assert spark_stage_gate(stage, off, _probe(stage, fp))["current"] is True, stage
+
+
 def test_unknown_stage_is_refused_with_the_list():
     with pytest.raises(ValueError, match="unknown stage 'deploy'.*preflight, build, model, serve, bench"):
         st.input_names("deploy")

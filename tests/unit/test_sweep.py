@@ -124,3 +124,15 @@ def test_real_ansible_runner_wiring(tmp_path: Path) -> None:
     assert out.read_text() == f"mtp-k2 1 {cfg.config_hash}"
     assert (tmp_path / "serve.txt").read_text() == "mtp"
     assert not (tmp_path / "other.txt").exists()
+
+
+def test_k_per_method_checked_against_the_catalogue(tmp_path: Path) -> None:
+    cat = sweep.load_settings()["spark_method_catalogue"]
+    ks = sweep.parse_k(["mtp=1,3", "dflash=5,12"], cat)
+    cfgs = sweep.expand_grid(["baseline", "mtp", "dflash"], [2], {}, list(cat), ks)
+    assert [c.label for c in cfgs] == ["baseline", "mtp-k1", "mtp-k3", "dflash-k5", "dflash-k12"]
+    lo, hi = sweep.spec_tokens_range()
+    for bad, needle in ([f"mtp={hi + 1}"], "must be in"), (["baseline=2"], "takes no K"), \
+            (["medusa=2"], "unknown method"), (["mtp=x"], "integers"):
+        with pytest.raises(sweep.UsageError, match=needle):
+            sweep.parse_k(bad, cat)

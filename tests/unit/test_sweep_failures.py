@@ -126,7 +126,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_report_never_pools_different_contexts() -> None:
-    """Same label and hash but a different concurrency: two rows; speedups pair within a context."""
+    """Same label but a different concurrency: two rows named by it; speedups pair within a context."""
     from sparkllm import bench_report
 
     def run(label: str, rep: int, speed: float, conc: int, h: str | None) -> bench_report.RunRow:
@@ -140,10 +140,10 @@ def test_report_never_pools_different_contexts() -> None:
     runs += [run("mtp-k2", r, 20.0, 1, "m1") for r in (1, 2)]
     runs += [run("mtp-k2", r, 60.0, 8, "m8") for r in (1, 2)]
     rows = {m.label: m for m in bench_report.method_table(runs, "baseline")}
-    assert set(rows) == {"baseline [b1]", "baseline [b8]", "mtp-k2 [m1]", "mtp-k2 [m8]"}
-    assert rows["mtp-k2 [m1]"].speedup["gmean"] == pytest.approx(2.0)
-    assert rows["mtp-k2 [m8]"].speedup["gmean"] == pytest.approx(1.5)
-    assert rows["mtp-k2 [m8]"].baseline_row == "baseline [b8]"
+    assert set(rows) == {"baseline c=1", "baseline c=8", "mtp-k2 c=1", "mtp-k2 c=8"}
+    assert rows["mtp-k2 c=1"].speedup["gmean"] == pytest.approx(2.0)
+    assert rows["mtp-k2 c=8"].speedup["gmean"] == pytest.approx(1.5)
+    assert rows["mtp-k2 c=8"].baseline_row == "baseline c=8"
     md = bench_report.render_markdown(list(rows.values()), [], "baseline", [])
     assert "## Configurations" in md and '"concurrency": 8' in md
     # no baseline in that context: no speedup, and the report says why

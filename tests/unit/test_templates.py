@@ -18,6 +18,7 @@ import yaml
 from ansible.plugins.filter.core import FilterModule as CoreFilters
 from ansible.plugins.filter.mathstuff import FilterModule as MathFilters
 from ansible.plugins.test.core import TestModule as CoreTests
+from spark_methods import FilterModule as SparkMethodFilters
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates"
@@ -45,6 +46,7 @@ def env() -> jinja2.Environment:
     e = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
     e.filters.update(CoreFilters().filters())
     e.filters.update(MathFilters().filters())
+    e.filters.update(SparkMethodFilters().filters())
     e.tests.update(CoreTests().tests())
     return e
 
@@ -126,6 +128,7 @@ def serve_ctx(tmp_path: Path, method: str = "mtp", cluster_env: str = "") -> dic
         spec_method=method,
         serve_unit_method=method,
         serve_cluster_env_file=cluster_env,
+        spark_cluster_rdma=True,
         serve_config_dir=str(tmp_path),
         serve_docker_bin=str(tmp_path / "docker"),
         _serve_methods=list(cat),
@@ -271,6 +274,8 @@ def ray_ctx(runtime: str, head: bool) -> dict[str, Any]:
         _ray_cluster_container=f"sparkllm-ray-{role}",
         _ray_cluster_image=IMAGE,
         _ray_cluster_start_args=args,
+        _ray_cluster_server_env={},
+        _ray_cluster_rdma_args=["--device", "/dev/infiniband", "--ulimit", "memlock=-1:-1"],
     )
     return ctx
 
@@ -300,6 +305,55 @@ def test_ray_unit_venv_worker() -> None:
         ctx["ray_cluster_temp_dir"],
     ]
     assert "docker" not in unit and "keep trying to join" in unit
+
+
+RDMA_ARGS = ["--device", "/dev/infiniband", "--ulimit", "memlock=-1:-1"]
+
+
+def _follows(argv: list[str], words: list[str]) -> bool:
+    return any(argv[i:i + len(words)] == words for i in range(len(argv)))
+
+
+def test_cluster_containers_get_the_rdma_devices_and_unlimited_memlock(tmp_path: Path) -> None:
+    """Two Sparks: the server and the Ray containers get /dev/infiniband and memlock=-1:-1 (NCCL's RoCE
+    transport registers pinned memory); a single Spark's server and spark_cluster_rdma=false get neither."""
+    ctx = serve_ctx(tmp_path, "mtp", "/etc/sparkllm/cluster.env")
+    got = container_args(tmp_path, ctx)
+    assert _follows(got, RDMA_ARGS), got
+    assert not _follows(container_args(tmp_path, serve_ctx(tmp_path)), ["--device", "/dev/infiniband"])
+    ctx["spark_cluster_rdma"] = False
+    assert "/dev/infiniband" not in container_args(tmp_path, ctx)
+    ray = ray_ctx("container", head=False)
+    (exec_start,) = unit_value(render("sparkllm-ray.service.j2", **ray), "ExecStart")
+    assert _follows(shlex.split(exec_start), RDMA_ARGS)
+    ray["_ray_cluster_rdma_args"] = []
+    assert "/dev/infiniband" not in render("sparkllm-ray.service.j2", **ray)
+
+
+@pytest.mark.parametrize("method", sorted(catalogue()))
+@pytest.mark.parametrize("runtime", ["container", "venv"])
+def test_every_server_env_setting_reaches_the_ray_processes(tmp_path: Path, method: str,
+                                                             runtime: str) -> None:
+    """With the Ray backend the model runs in Ray's workers, and vLLM copies only its own prefixes to them
+    (vllm/ray/ray_env.py): the Ray units carry exactly the server container's own settings (the method's
+    server_env and SPARKLLM_LM_HEAD_INT8), from the same filter."""
+    from spark_methods import spark_server_env
+    ctx = serve_ctx(tmp_path, method, "/etc/sparkllm/cluster.env")
+    ctx["vllm_lm_head_int8"] = True
+    got = container_args(tmp_path, ctx)
+    server = {a.split("=", 1)[1] for a in got[got.index("--entrypoint") + 2:] if a.startswith("--env=")}
+    assert "SPARKLLM_LM_HEAD_INT8=1" in server
+    ray = ray_ctx(runtime, head=False)
+    # DOCKER_OPTS carries the owner's serve_container_env {VLLM_LOGGING_LEVEL: INFO}
+    ray["_ray_cluster_server_env"] = spark_server_env(method, catalogue(), True,
+                                                      {"VLLM_LOGGING_LEVEL": "INFO"})
+    unit = render("sparkllm-ray.service.j2", **ray)
+    if runtime == "container":
+        argv = shlex.split(unit_value(unit, "ExecStart")[0])
+        ray_env = {argv[i + 1] for i, a in enumerate(argv) if a == "--env"}
+    else:
+        ray_env = set(unit_value(unit, "Environment"))
+    assert ray_env == server - {"HF_TOKEN_PATH=/run/secrets/hf_token"}
 
 
 # ------------------------------------------------------------------ link: netplan + cluster env
@@ -343,6 +397,7 @@ def dockerfile_ctx(extra_prs: list[dict]) -> dict[str, Any]:
         "version": "0.20.0",
         "extra_prs": extra_prs,
         "base_image": ctx["vllm_build_base_image"],
+        "build_requirements": ["requirements/build.txt"],  # that release's own path (spark_vllm_variants)
         "toolchain": methods["spark_vllm_variants"]["v0_26_dflash"]["toolchain"],
     }
     return ctx

@@ -9,12 +9,29 @@ RESULTS = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "results"
 
 
 def _runs():
-    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+    """The cell's runs, the single-stream one at depth 0 first."""
+    runs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+    return sorted(runs, key=lambda r: r["meta"]["started_utc"])
 
 
-def test_one_run_fetched_despite_two_converges():
+def test_one_cell_fetched_despite_two_converges():
     runs = _runs()
-    assert len(runs) == 1, "idempotent rerun must not measure the same cell again"
+    assert len(runs) == 4, "one run per (depth, concurrency); an idempotent rerun must not measure again"
+    levels = sorted((r["meta"]["input_depth"] or 0, r["meta"]["concurrency"]) for r in runs)
+    assert levels == [(0, 1), (0, 2), (512, 1), (512, 2)]
+
+
+def test_depth_reached_within_tolerance():
+    deep = [r for r in _runs() if r["meta"]["input_depth"]]
+    for r in deep:
+        assert abs(r["summary"]["prompt_tokens"]["median"] - 512) <= 0.05 * 512
+        assert r["meta"]["depth"]["outside_tolerance"] == 0
+
+
+def test_load_rows_in_the_report():
+    report = (RESULTS / "report" / "report.md").read_text()
+    assert "## Load" in report and "mtp-k2 c=2 d=512" in report and "## Context depth" in report
+    assert "tok_s_vs_concurrency.png" in report
 
 
 def test_run_is_valid_and_measures_speculation():
@@ -53,7 +70,7 @@ def test_url_came_from_the_serve_fact_not_loopback(host):
 def test_store_holds_the_run_once():
     with sqlite3.connect(RESULTS / "results.sqlite") as db:
         rows = db.execute("SELECT label, valid FROM runs").fetchall()
-    assert rows == [("mtp-k2", 1)]
+    assert rows == [("mtp-k2", 1)] * 4
 
 
 def test_report_was_written_with_the_method():
@@ -65,7 +82,7 @@ def test_report_was_written_with_the_method():
 def test_fact_remembers_the_cell(host):
     fact = json.loads(host.file("/etc/ansible/facts.d/spark_bench.fact").content_string)
     (run_id,) = fact["cells"].values()
-    assert run_id == _runs()[0]["run_id"]
+    assert run_id in {r["run_id"] for r in _runs()}
 
 
 def test_controller_store_prevents_remeasuring_after_a_wipe(host):
@@ -76,4 +93,4 @@ def test_controller_store_prevents_remeasuring_after_a_wipe(host):
     res = run_playbook("playbooks/bench.yml")
     assert res.rc == 0, res.output[-3000:]
     assert "already measured" in res.output
-    assert len(_runs()) == 1
+    assert len(_runs()) == 4

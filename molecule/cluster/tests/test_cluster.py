@@ -47,7 +47,8 @@ def test_cluster_env_derived_from_the_link_interface(head, worker):
         env = _env(node)
         for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "UCX_NET_DEVICES"):
             assert env[name] == "eth0"
-        assert env["NCCL_IB_HCA"] == "rocep1s0f0,roceP2p1s0f0"
+        # spark_cluster_rdma=false on the test bed: TCP said explicitly, no RoCE device named, no NCCL_DEBUG
+        assert env["NCCL_IB_DISABLE"] == "1" and "NCCL_IB_HCA" not in env and "NCCL_DEBUG" not in env
         assert env["VLLM_HOST_IP"] == ip
         assert env["RAY_memory_monitor_refresh_ms"] == "0"
         # the Ray process itself runs with that environment
@@ -281,3 +282,45 @@ def test_link_state_absent_removes_the_firewall_then_present_restores_it(head, w
     assert len(ids) == 1 and next(iter(ids)).startswith("sha256:")
     assert "sparkllm model sync" not in _authorized_keys(head)
     assert _active_ray_nodes(head) == 2
+
+
+# A Ray task placed on the worker node reports its own process environment: what vLLM's model ranks on that
+# node would see (vLLM copies only its own prefixes to them: vllm/ray/ray_env.py, get_env_vars_to_copy).
+_WORKER_ENV_SNIPPET = """
+import json, os, sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == sys.argv[2])
+@ray.remote(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+def probe(names):
+    return {"ip": ray.util.get_node_ip_address(), "env": {k: os.environ.get(k) for k in names}}
+print(json.dumps(ray.get(probe.remote(sys.argv[3:]), timeout=120)))
+"""
+
+
+def test_the_servers_environment_reaches_a_ray_worker_on_the_other_node(head, worker):
+    names = ["SPARKLLM_LM_HEAD_INT8", "VLLM_USE_V2_MODEL_RUNNER", "SPARKLLM_TEST_OWNER_ENV",
+             "CUDA_CACHE_MAXSIZE"]
+    head.check_output(f"cat > /tmp/worker_env.py <<'EOF'\n{_WORKER_ENV_SNIPPET}EOF")
+    # a clean driver environment: whatever the task reports comes from the worker node's Ray unit
+    out = head.check_output(f"env -i PATH=/usr/bin:/bin /opt/sparkllm/ray-venv/bin/python /tmp/worker_env.py "
+                            f"{HEAD_IP}:6379 {WORKER_IP} {' '.join(names)}")
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["ip"] == WORKER_IP
+    assert got["env"] == {"SPARKLLM_LM_HEAD_INT8": "1", "VLLM_USE_V2_MODEL_RUNNER": "1",
+                          "SPARKLLM_TEST_OWNER_ENV": "cluster", "CUDA_CACHE_MAXSIZE": "4294967296"}
+    unit = worker.file("/etc/systemd/system/sparkllm-ray-worker.service").content_string
+    assert "Environment=SPARKLLM_LM_HEAD_INT8=1" in unit
+
+
+def test_rdma_on_a_link_without_roce_is_refused_naming_the_interface(head, monkeypatch):
+    """spark_cluster_rdma=true (the default) on the test hosts, which have no RoCE device: the link check
+    fails before anything is written, naming the interface and the way out (NCCL would fall back to TCP)."""
+    monkeypatch.setenv("ANSIBLE_CALLBACK_RESULT_FORMAT", "json")  # messages unwrapped
+    before = head.file("/etc/sparkllm/cluster.env").content_string
+    res = run_playbook("playbooks/cluster.yml", {"spark_cluster_rdma": True})
+    assert res.rc != 0
+    assert "link interface eth0 has no RoCE device (/sys/class/net/eth0/device/infiniband" in res.output
+    assert "NCCL would fall back" in res.output and "spark_cluster_rdma=false" in res.output
+    assert head.file("/etc/sparkllm/cluster.env").content_string == before

@@ -97,3 +97,58 @@ def test_too_little_memory_is_refused():
     res = run_playbook("site.yml", {"preflight_min_memory_gib": 100000}, tags="preflight")
     assert res.rc != 0
     assert "128 GB Spark" in res.output
+
+
+# ---- the driver: a fake nvidia-smi stands in for a GB10 with a given driver (the last tests: they
+# rewrite the fact with the GPU checks run)
+
+FAKE_SMI = "/usr/local/bin/nvidia-smi"
+GPU_RUN = {"preflight_testbed": False, "preflight_require_docker": False}
+
+
+@pytest.fixture
+def fake_gb10(host):
+    def install(driver: str) -> None:
+        script = (
+            "#!/bin/sh\n"
+            'case "$1" in\n'
+            f'  --query-gpu=*) echo "NVIDIA GB10, 12.1, {driver}" ;;\n'
+            f'  *) echo "| NVIDIA-SMI {driver}  Driver Version: {driver}  CUDA Version: 13.1 |" ;;\n'
+            "esac\n"
+        )
+        res = host.run(f"cat > {FAKE_SMI} <<'EOF'\n{script}EOF\nchmod 0755 {FAKE_SMI}")
+        assert res.rc == 0, res.stderr
+        assert driver in host.check_output(f"{FAKE_SMI} --query-gpu=name,compute_cap,driver_version")
+    yield install
+    host.run(f"rm -f {FAKE_SMI}")
+
+
+def test_driver_590_is_refused_naming_the_driver_and_the_fix(host, fake_gb10):
+    fake_gb10("590.44.01")
+    res = run_playbook("site.yml", GPU_RUN, tags="preflight")
+    assert res.rc != 0
+    assert "Driver 590.44.01 found" in res.output
+    assert "580.x" in res.output and "deadlocks in CUDA-graph capture" in res.output
+    assert "spark_bad_driver_enforce_eager" in res.output  # the opt-in is named
+
+
+def test_driver_590_with_the_opt_in_passes_with_a_warning_and_records_eager(host, fake_gb10):
+    fake_gb10("590.44.01")
+    res = run_playbook("site.yml", {**GPU_RUN, "spark_bad_driver_enforce_eager": True}, tags="preflight")
+    assert res.rc == 0, res.output[-3000:]
+    assert "WARNING: driver 590.44.01 is on a branch that deadlocks CUDA-graph capture" in res.output
+    assert "--enforce-eager" in res.output
+    fact = _fact(host)
+    assert fact["driver"] == "590.44.01" and fact["gpu_checks"] == "passed"
+    assert fact["driver_bad_branch"] is True and fact["enforce_eager"] is True
+    assert any("590.44.01" in w and "--enforce-eager" in w for w in fact["warnings"])
+
+
+def test_driver_580_passes_without_a_driver_warning(host, fake_gb10):
+    fake_gb10("580.95.05")
+    res = run_playbook("site.yml", GPU_RUN, tags="preflight")
+    assert res.rc == 0, res.output[-3000:]
+    fact = _fact(host)
+    assert fact["driver"] == "580.95.05"
+    assert fact["driver_bad_branch"] is False and fact["enforce_eager"] is False
+    assert not any("driver" in w for w in fact["warnings"])

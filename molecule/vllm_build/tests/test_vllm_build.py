@@ -9,6 +9,7 @@ ansible-playbook runs of site.yml (tag build) against the same host.
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ LOG = "/var/log/sparkllm/build-v0_19_1.log"
 REPO = "spark-vllm-build-test/vllm"
 PREBUILT = "spark-vllm-build-test/prebuilt:vllm-0.26.0"
 FILES = Path(os.environ.get("MOLECULE_SCENARIO_DIRECTORY", Path(__file__).resolve().parents[1])) / "files"
+PROJECT = Path(__file__).resolve().parents[3]
 INC_IN_IMAGE = "/opt/fakepy/vllm/model_executor/layers/quantization/inc.py"
 
 
@@ -41,7 +43,9 @@ def _our_tags(host) -> set[str]:
 
 
 def _with_patch_dir(name: str) -> dict:
-    return {"vllm_build_variant_overrides": {"v0_19_1": {"patch_dir": str(FILES / "patches" / name)}}}
+    # extra vars replace the host's whole override dict: keep its build_patches (the stand-in has no CMake)
+    return {"vllm_build_variant_overrides": {"v0_19_1": {"patch_dir": str(FILES / "patches" / name),
+                                                         "build_patches": []}}}
 
 
 def _flat(text: str) -> str:
@@ -100,10 +104,29 @@ def test_build_log_shows_the_build_and_memory_derived_jobs(host):
     assert text.index("stand-in compile") < text.index("apply_patches.sh /opt/sparkllm/patches")
     assert "# sparkllm-image-build finished rc=0" in text
     facts = host.ansible("setup", "gather_subset=!all,!min,hardware")["ansible_facts"]
-    threads = 2
-    budget = int(facts["ansible_memtotal_mb"] / 1024 * 0.8 / 8)
-    expected_jobs = max(1, min(facts["ansible_processor_nproc"], budget // threads))
-    assert f"--build-arg MAX_JOBS={expected_jobs} --build-arg NVCC_THREADS={threads}" in text
+    jobs = _fact(host)["variants"]["v0_19_1"]["jobs"]  # what the role computed from MemAvailable then
+    assert jobs["nvcc_threads"] == 1  # one architecture: nvcc --threads has nothing to run in parallel
+    assert jobs["max_jobs"] == jobs["processes"] * jobs["nvcc_threads"]
+    # processes = min(nproc, (MemAvailable - 16 GiB reserve) // 4 GiB), at least 1 (MemAvailable recorded
+    # rounded to 0.1 GiB, hence the two candidates)
+    nproc, avail = facts["ansible_processor_nproc"], jobs["mem_available_gib"]
+    candidates = {max(1, min(nproc, int((avail + d - 16) // 4)))
+                  for d in (-0.05, 0.05)}
+    assert jobs["processes"] in candidates, (jobs, candidates)
+    assert f"--build-arg MAX_JOBS={jobs['max_jobs']} --build-arg NVCC_THREADS=1" in text
+
+
+def test_the_lm_head_module_is_carried_once_and_installed_where_the_call_site_imports_it(host):
+    """patches/src/modules -> the context's patches/src -> apply_patches.sh installs it in the image."""
+    ctx = "/var/lib/sparkllm/build/v0_19_1"
+    source = (PROJECT / "patches" / "src" / "sparkllm_lm_head_int8.py").read_text()
+    assert host.file(f"{ctx}/patches/src/sparkllm_lm_head_int8.py").content_string == source
+    assert "sparkllm_lm_head_int8.py vllm/model_executor/layers/sparkllm_lm_head_int8.py" in \
+        host.file(f"{ctx}/patches/src/modules").content_string
+    image = _fact(host)["images"]["v0_19_1"]
+    inside = host.check_output("docker run --rm --network none %s cat %s", image,
+                               "/opt/fakepy/vllm/model_executor/layers/sparkllm_lm_head_int8.py")
+    assert inside.strip() == source.strip()
 
 
 def test_build_context_pins_the_toolchain_and_carries_the_series(host):
@@ -184,7 +207,7 @@ def test_dflash_is_refused_on_a_019_only_configuration(host, extra):
     [
         (
             {"vllm_build_test_fake_arch": "sm_120a"},
-            ["no sm_121 code in", "_C.abi3.so", "architectures found: sm_120a", "collapse 12.1a to 12.0"],
+            ["no sm_121a code in", "_C.abi3.so", "architectures found: sm_120a", "collapse 12.1a to 12.0"],
         ),
         ({"vllm_build_test_torch_cuda": "12.8"}, ["torch reports CUDA '12.8'", "cu130"]),
         (
@@ -303,3 +326,71 @@ def test_rerun_during_a_running_build_follows_it(host):
     res = _build()
     assert res.rc == 0 and "not rebuilding" in res.output, res.output[-3000:]
     host.run("docker image rm %s", new["image"])
+
+
+# These build (or fail a build) and rewrite the build log: after the tests that check it stays untouched.
+def test_a_module_missing_from_the_manifest_dir_is_refused_before_building(host, tmp_path):
+    (tmp_path / "modules").write_text(
+        "sparkllm_lm_head_int8.py vllm/model_executor/layers/sparkllm_lm_head_int8.py\n")
+    fact_before = host.file(FACT).content_string
+    res = _build({"vllm_build_patch_modules_dir": str(tmp_path)})
+    assert res.rc != 0
+    want = f"{tmp_path}/modules lists sparkllm_lm_head_int8.py, which {tmp_path} does not contain"
+    assert want in _flat(res.output)
+    assert "Build in the background" not in res.output
+    assert host.file(FACT).content_string == fact_before
+
+
+def test_a_changed_module_changes_the_image(host, tmp_path):
+    """The input hash covers the carried module: an edit rebuilds (under a new tag) and reaches the image."""
+    shutil.copy(PROJECT / "patches" / "src" / "modules", tmp_path / "modules")
+    changed = (PROJECT / "patches" / "src" / "sparkllm_lm_head_int8.py").read_text() + "# edited\n"
+    (tmp_path / "sparkllm_lm_head_int8.py").write_text(changed)
+    old = _fact(host)["variants"]["v0_19_1"]["image"]
+    res = _build({"vllm_build_patch_modules_dir": str(tmp_path)})
+    assert res.rc == 0, res.output[-3000:]
+    new = _fact(host)["variants"]["v0_19_1"]["image"]
+    try:
+        assert new != old
+        inside = host.check_output("docker run --rm --network none %s cat %s", new,
+                                   "/opt/fakepy/vllm/model_executor/layers/sparkllm_lm_head_int8.py")
+        assert inside.endswith("# edited")
+    finally:
+        res = _build()
+        assert res.rc == 0 and "not rebuilding" in res.output, res.output[-3000:]
+        host.run("docker image rm %s", new)
+
+
+@pytest.mark.parametrize("buildkit", [True, False], ids=["buildkit", "legacy"])
+def test_a_failed_compile_keeps_its_whole_log_and_shows_its_real_tail(host, buildkit):
+    """Issue 22 item 7: a compile printing 4 MB (over BuildKit's 2 MiB per-step clip, and its speed limit)
+    then failing. BuildKit: the build log is clipped, the compile's own log copied out of the build cache
+    has every line; legacy builder: the build log itself has every line. Either way the failure message
+    shows the compile's real last lines."""
+    fact_before = host.file(FACT).content_string
+    lines = 40000
+    res = _build({"vllm_build_buildkit": buildkit, "vllm_build_test_fail_lines": lines})
+    assert res.rc != 0
+    out = res.output
+    assert "The compile of spark-vllm-build-test/vllm:v0.19.1-" in out and "failed (rc=3)" in out
+    assert "stand-in compile error: the real last line" in out
+    assert f"stand-in compile output line {lines} " in out
+    assert "[output clipped" not in out
+    build_log = host.file(LOG).content_string
+    compile_log = host.file("/var/log/sparkllm/build-v0_19_1.compile.log")
+    if buildkit:
+        assert "[output clipped" in build_log, "the stand-in stayed under BuildKit's limit: it proves nothing"
+        assert compile_log.exists
+        text = compile_log.content_string
+        assert f"The compile's whole log: {compile_log.path}" in _flat(out)
+    else:
+        assert "[output clipped" not in build_log
+        text = build_log
+    numbered = [int(n) for n in re.findall(r"^(?:#\d+ [0-9.]+ )?stand-in compile output line (\d+) ", text,
+                                           flags=re.M)]
+    if buildkit:  # the compile's own file: every line, in order
+        assert numbered == list(range(1, lines + 1))
+    else:  # the legacy builder relays stdout and stderr (the tail) as two streams: all lines, any order
+        assert sorted(set(numbered)) == list(range(1, lines + 1))
+    assert "stand-in compile error: the real last line" in text
+    assert host.file(FACT).content_string == fact_before

@@ -1,0 +1,234 @@
+"""bench: what the report concludes from the rows (standard library; controller side).
+
+- **Outputs against their own noise floor.** Greedy speculative decoding should return the baseline's
+  text. Each row's outputs (per prompt, its first answered repeat) are compared with those of the
+  baseline run it is paired with: the share of identical outputs and the median share of the agreeing
+  prefix (common leading characters / the longer text). The floor is the same comparison between two
+  baseline runs of the same context (batch-dependent numerics make bit-equality not guaranteed). A row
+  more than ``DIFFER_MARGIN`` below the floor on either figure is marked "outputs differ from baseline";
+  with no second baseline run the floor is taken as 1.0 (identical) and the report says so. Runs sampled
+  with temperature > 0 are not compared.
+- **The recommendation.** Among rows of valid runs whose outputs do not differ: the best single-stream
+  row (concurrency 1, the smallest input depth measured) by median decode tok/s, and the best row at each
+  concurrency level (by per-stream median decode tok/s, which at one level orders rows as their aggregate
+  does), each with the 95 % interval of its run medians and of its speedup. ``best_row`` is the rule the
+  sweep's ``--leave-best`` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from sparkllm.bench_common import fmt
+
+DIFFER_MARGIN = 0.25
+OUTPUTS_DIFFER = "outputs differ from baseline"
+
+
+def ctx(m: Any) -> dict[str, Any]:
+    return json.loads(m.context) if m.context else {}
+
+
+def outputs(doc: dict[str, Any]) -> dict[str, str]:
+    """prompt id -> output text of its first answered repeat (requests stored before schema 2: none)."""
+    out: dict[str, tuple[int, str]] = {}
+    for r in doc.get("requests") or []:
+        text = r.get("output_text")
+        if r.get("ok") and text is not None:
+            rep = int(r.get("repeat") or 0)
+            if r["prompt_id"] not in out or rep < out[r["prompt_id"]][0]:
+                out[r["prompt_id"]] = (rep, text)
+    return {k: v for k, (_, v) in out.items()}
+
+
+def prefix_share(a: str, b: str) -> float:
+    n = max(len(a), len(b))
+    if n == 0:
+        return 1.0
+    i = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        i += 1
+    return i / n
+
+
+def compare(a: dict[str, str], b: dict[str, str]) -> dict[str, Any] | None:
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        return None
+    return {"compared": len(keys), "identical_share": sum(a[k] == b[k] for k in keys) / len(keys),
+            "median_prefix_share": statistics.median(prefix_share(a[k], b[k]) for k in keys)}
+
+
+def _greedy(m: Any) -> bool:
+    t = ctx(m).get("temperature")
+    return t is None or float(t) == 0.0
+
+
+def output_checks(stats: Sequence[Any], baseline: str, pair_runs: Any) -> list[dict[str, Any]]:
+    """Fill each row's ``outputs`` (its check) and ``differs``; return one stored check per method run."""
+    rows = {m.label: m for m in stats}
+    floors: dict[str, dict[str, Any] | None] = {}
+    for m in stats:
+        if m.base_label == baseline and len(m.runs) >= 2:
+            pairs = [compare(outputs(a.doc), outputs(b.doc))
+                     for a, b in zip(m.runs, m.runs[1:], strict=False)]
+            pairs = [p for p in pairs if p]
+            if pairs:
+                floors[m.label] = {k: statistics.fmean(p[k] for p in pairs)
+                                   for k in ("identical_share", "median_prefix_share")}
+    checks: list[dict[str, Any]] = []
+    for m in stats:
+        m.outputs, m.differs = None, False
+        base = rows.get(m.baseline_row) if m.baseline_row else None
+        if m.base_label == baseline or base is None or not _greedy(m):
+            continue
+        per_run = []
+        for run, b in pair_runs(m.runs, base.runs):
+            c = compare(outputs(run.doc), outputs(b.doc))
+            if c:
+                per_run.append((run, b, c))
+        if not per_run:
+            continue
+        floor = floors.get(base.label)
+        f_id = floor["identical_share"] if floor else 1.0
+        f_pre = floor["median_prefix_share"] if floor else 1.0
+        ident = statistics.fmean(c["identical_share"] for *_, c in per_run)
+        pre = statistics.fmean(c["median_prefix_share"] for *_, c in per_run)
+        differs = ident < f_id - DIFFER_MARGIN or pre < f_pre - DIFFER_MARGIN
+        m.outputs = {"compared": sum(c["compared"] for *_, c in per_run), "identical_share": ident,
+                     "median_prefix_share": pre, "floor_identical_share": f_id if floor else None,
+                     "floor_median_prefix_share": f_pre if floor else None, "differs": differs}
+        m.differs = differs
+        checks += [{"run_id": run.run_id, "baseline_run_id": b.run_id, **c,
+                    "floor_identical_share": m.outputs["floor_identical_share"],
+                    "floor_median_prefix_share": m.outputs["floor_median_prefix_share"], "differs": differs}
+                   for run, b, c in per_run]
+    return checks
+
+
+def eligible(stats: Sequence[Any]) -> list[Any]:
+    return [m for m in stats if not getattr(m, "differs", False) and m.decode["median"] is not None]
+
+
+def best_row(stats: Sequence[Any], concurrency: int = 1) -> Any | None:
+    """The row to recommend (and leave serving) at a concurrency level: valid runs only (the rows hold
+    nothing else), outputs not differing, the smallest input depth measured at that level, the highest
+    median per-stream decode tok/s."""
+    at = [m for m in eligible(stats) if (ctx(m).get("concurrency") or 1) == concurrency]
+    if not at:
+        return None
+    depth = min(ctx(m).get("input_depth") or 0 for m in at)
+    at = [m for m in at if (ctx(m).get("input_depth") or 0) == depth]
+    return max(at, key=lambda m: m.decode["median"])
+
+
+def _interval(m: Any) -> str:
+    rm, sp = m.run_medians, m.speedup
+    run_ci = (f"run medians {fmt(rm['ci95_low'])}-{fmt(rm['ci95_high'])}" if rm.get("ci95_low") is not None
+              else "1 run: no interval")
+    speed = ""
+    if sp.get("gmean"):
+        speed = f"; {sp['gmean']:.2f}x baseline"
+        if sp.get("ci95_low"):
+            speed += f" [{sp['ci95_low']:.2f}-{sp['ci95_high']:.2f}]"
+    return run_ci + speed
+
+
+def recommendation_lines(stats: Sequence[Any]) -> list[str]:
+    lines = ["## Recommendation", ""]
+    levels = sorted({ctx(m).get("concurrency") or 1 for m in stats})
+    excluded = [m.label for m in stats if getattr(m, "differs", False)]
+    if not eligible(stats):
+        lines.append("No configuration can be recommended: no valid run whose outputs match the baseline.")
+    for c in levels:
+        m = best_row(stats, c)
+        what = "Single stream" if c == 1 else f"{c} concurrent streams"
+        if m is None:
+            lines.append(f"- **{what}**: none eligible.")
+            continue
+        agg = fmt(m.aggregate_tok_s)
+        lines.append(f"- **{what}**: `{m.label}`, {fmt(m.decode['median'])} tok/s per stream "
+                     f"({_interval(m)}), {agg} tok/s aggregate.")
+    if excluded:
+        lines.append(f"- Not recommended whatever their speed ({OUTPUTS_DIFFER}): "
+                     + ", ".join(f"`{x}`" for x in excluded) + ".")
+    lines.append("- Invalid runs are never counted (listed at the end).")
+    return lines
+
+
+def _p(d: dict[str, Any] | None, nd: int = 2) -> str:
+    d = d or {}
+    return f"{fmt(d.get('median'), nd)} / {fmt(d.get('p95'), nd)} / {fmt(d.get('p99'), nd)}"
+
+
+def tables(stats: Sequence[Any], baseline: str) -> list[str]:
+    """Load, latency, depth, outputs, per-category acceptance and telemetry tables."""
+    lines = ["", "## Load (each concurrency level is its own context: speedup vs the baseline at that level)",
+             "", "| row | method | K | concurrency | input depth | per-stream decode tok/s median "
+             "| aggregate output tok/s | speedup vs baseline [95% CI] | outputs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m in stats:
+        c, sp = ctx(m), m.speedup
+        speed = "1 (reference)" if m.base_label == baseline else ("-" if sp["gmean"] is None else (
+            f"{sp['gmean']:.3f}x"
+            + (f" [{sp['ci95_low']:.3f}-{sp['ci95_high']:.3f}]" if sp["ci95_low"] else "")))
+        lines.append(f"| {m.label} | {m.method} | {fmt(m.k)} | {c.get('concurrency') or 1} "
+                     f"| {c.get('input_depth') or '-'} | {fmt(m.decode['median'])} "
+                     f"| {fmt(m.aggregate_tok_s)} "
+                     f"| {speed} | {_outputs_cell(m, baseline)} |")
+    lines += ["", "## Latency (p50 / p95 / p99 over the requests of the row; ITL: mean of the runs' "
+              "inter-chunk percentiles)", "", "| row | TTFT s | TPOT ms | ITL ms |", "|---|---|---|---|"]
+    lines += [f"| {m.label} | {_p(m.ttft, 3)} | {_p(m.tpot)} | {_p(m.itl)} |" for m in stats]
+    deep = [m for m in stats if ctx(m).get("input_depth")]
+    if deep:
+        lines += ["", "## Context depth (prompt tokens as the server counted them)", "",
+                  "| row | target depth | prompt tokens median | TTFT median s | prefill tok/s median "
+                  "| decode tok/s median | acceptance rate |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {m.label} | {ctx(m)['input_depth']} | {fmt(m.prompt_tokens, 0)} "
+                  f"| {fmt(m.ttft['median'], 3)} "
+                  f"| {fmt(m.prefill_tok_s, 0)} | {fmt(m.decode['median'])} | {fmt(m.acc_rate, 3)} |"
+                  for m in deep]
+    checked = [m for m in stats if m.outputs]
+    if checked:
+        lines += ["", f"## Outputs vs baseline (greedy; floor = baseline vs a second baseline run; marked "
+                  f"when more than {DIFFER_MARGIN:.2f} below the floor)", "",
+                  "| row | prompts compared | identical | median agreeing prefix | floor identical "
+                  "| floor prefix | verdict |", "|---|---|---|---|---|---|---|"]
+        for m in checked:
+            o = m.outputs
+            lines.append(f"| {m.label} | {o['compared']} | {o['identical_share']:.2f} "
+                         f"| {o['median_prefix_share']:.2f} "
+                         f"| {fmt(o['floor_identical_share'])} | {fmt(o['floor_median_prefix_share'])} "
+                         f"| {OUTPUTS_DIFFER.upper() if o['differs'] else 'same as baseline'} |")
+        if any(o.outputs["floor_identical_share"] is None for o in checked):
+            lines.append("\nA floor of `-`: only one baseline run in that context, so the floor is taken "
+                         "as identical outputs (1.0).")
+    cats = sorted({c for m in stats for c in m.cat_acceptance})
+    if cats:
+        lines += ["", "## Acceptance rate per category (server counters, concurrency-1 runs)", "",
+                  "| row | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+        lines += [f"| {m.label} | " + " | ".join(fmt(m.cat_acceptance.get(c), 3) for c in cats) + " |"
+                  for m in stats if m.cat_acceptance]
+    lines += ["", "## Energy and clocks (nvidia-smi during the measured phase)", "",
+              "| row | J per output token | mean power W | max temperature C | SM clock min-max MHz "
+              "| warnings |", "|---|---|---|---|---|---|"]
+    for m in stats:
+        t = m.telemetry
+        clocks = f"{fmt(t.get('sm_clock_mhz_min'), 0)}-{fmt(t.get('sm_clock_mhz_max'), 0)}"
+        warn = "; ".join(t.get("warnings") or []) or (t.get("note") or "-")
+        lines.append(f"| {m.label} | {fmt(t.get('j_per_output_token'), 3)} | {fmt(t.get('power_w_mean'), 1)} "
+                     f"| {fmt(t.get('temp_c_max'), 0)} | {clocks} | {warn} |")
+    return lines
+
+
+def _outputs_cell(m: Any, baseline: str) -> str:
+    if m.base_label == baseline:
+        return "reference"
+    if not m.outputs:
+        return "not compared"
+    return f"**{OUTPUTS_DIFFER}**" if m.outputs["differs"] else "same as baseline"

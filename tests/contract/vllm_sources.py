@@ -1,0 +1,107 @@
+"""The source distributions of the vLLM releases we build, fetched once and pinned by sha256.
+
+Each variant's sdist (vllm-<version>.tar.gz on PyPI; url and sha256 from PyPI's simple index JSON API,
+recorded in tests/contract/data/vllm_sdists.json) is downloaded into .cache/vllm-sdist/ and only the
+files the build contract reads are extracted into .cache/vllm-src/<version>/ (CMakeLists.txt, cmake/,
+requirements/, setup.py, use_existing_torch.py, pyproject.toml, tools/build_rust.py and the Marlin
+sources whose arch guards we cite). A second call finds both and does nothing. Standard library only:
+tests/contract/setup_vllm_env.sh runs it as `python tests/contract/vllm_sources.py` (exit 0 done,
+1 a download or hash failed, 2 usage).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from sparkllm.fileio import sha256_file  # noqa: E402  (the project's one sha256 of a file)
+
+PINS = Path(__file__).resolve().parent / "data" / "vllm_sdists.json"
+CACHE = ROOT / ".cache"
+# prefixes (inside vllm-<version>/) the contract reads
+MEMBERS = ("CMakeLists.txt", "cmake/", "requirements/", "setup.py", "use_existing_torch.py",
+           "pyproject.toml", "tools/build_rust.py", "csrc/quantization/marlin/",
+           "csrc/quantization/gptq_marlin/", "csrc/moe/marlin_moe_wna16/")
+
+
+def pins() -> dict[str, dict[str, str]]:
+    return json.loads(PINS.read_text())
+
+
+
+def sdist(version: str) -> Path:
+    """The pinned sdist of ``version`` in .cache/vllm-sdist (downloaded when missing or wrong)."""
+    pin = pins()[version]
+    dest = CACHE / "vllm-sdist" / pin["url"].rsplit("/", 1)[1]
+    if dest.exists() and sha256_file(dest) == pin["sha256"]:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(pin["url"], timeout=120) as resp:  # noqa: S310
+            shutil.copyfileobj(resp, out, 1 << 20)
+        got = sha256_file(Path(tmp))
+        if got != pin["sha256"]:
+            raise RuntimeError(f"{pin['url']} has sha256 {got}, {PINS.name} pins {pin['sha256']}: "
+                               "PyPI served other bytes; check the pin against the simple index")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
+def source_tree(version: str) -> Path:
+    """.cache/vllm-src/<version>: the extracted members of the pinned sdist (extracted once)."""
+    out = CACHE / "vllm-src" / version
+    stamp = out / ".complete"
+    if stamp.exists() and stamp.read_text() == pins()[version]["sha256"]:
+        return out
+    archive = sdist(version)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{version}-"))
+    try:
+        top = f"vllm-{version}/"
+        with tarfile.open(archive) as tar:
+            for m in tar.getmembers():
+                rel = m.name[len(top):] if m.name.startswith(top) else None
+                if not rel or not rel.startswith(MEMBERS) or not (m.isfile() or m.isdir()):
+                    continue
+                m.name = rel
+                tar.extract(m, tmp, filter="data")
+        (tmp / ".complete").write_text(pins()[version]["sha256"])
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    versions = argv or sorted(pins())
+    unknown = [v for v in versions if v not in pins()]
+    if unknown:
+        print(f"vllm_sources: no pin for {', '.join(unknown)} in {PINS}; add its url and sha256",
+              file=sys.stderr)
+        return 2
+    for v in versions:
+        try:
+            print(f"vllm_sources: {v}: {source_tree(v)}")
+        except (OSError, RuntimeError, tarfile.TarError) as exc:
+            print(f"vllm_sources: {v}: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,182 @@
+"""Issue 23 figures against the stand-in's known behaviour: load, outputs, depth, telemetry, store v2."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import bench
+import pytest
+from bench_helpers import run_against, write_prompts
+from fixtures.standin_server import Config, StandinServer
+from sparkllm import bench_analysis, bench_depth, bench_report, bench_store, bench_telemetry
+
+
+def _docs(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+
+def test_concurrency_list_one_run_per_level_and_known_slowdown(tmp_path: Path) -> None:
+    """Stand-in law: a step lasts step_time * (1 + 0.5 * (running - 1)); at 2 streams 1.5x slower."""
+    prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=2)
+    cfg = Config(model="m", step_time=0.01, concurrency_slowdown=0.5)
+    with StandinServer(cfg) as srv:
+        rc = bench.main(["run", "--base-url", srv.base_url, "--model", "m", "--label", "baseline",
+                         "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--max-tokens", "21",
+                         "--warmup", "0", "--quiet", "--concurrency", "1,2"])
+    assert rc == 0
+    docs = {d["meta"]["concurrency"]: d for d in _docs(tmp_path / "out")}
+    assert set(docs) == {1, 2} and all(d["valid"] for d in docs.values())
+    one, two = (docs[c]["summary"]["decode_tok_s"]["median"] for c in (1, 2))
+    assert one == pytest.approx(100.0, rel=0.15) and one / two == pytest.approx(1.5, rel=0.15)
+    # aggregate grows with the streams: 2 streams at 1/1.5 of the rate each -> about 4/3 of one stream
+    agg1, agg2 = (docs[c]["summary"]["token_weighted"]["output_tok_s_wall"] for c in (1, 2))
+    assert agg2 / agg1 == pytest.approx(4 / 3, rel=0.2)
+    stats = bench_report.method_table(bench_report.load_runs(tmp_path / "out"), "baseline")
+    assert [m.label for m in stats] == ["baseline c=1", "baseline c=2"]
+
+
+@pytest.mark.parametrize("bad", ["0", "1,x", "2,2"])
+def test_bad_concurrency_list_is_a_usage_error(tmp_path: Path, bad: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    rc = bench.main(["run", "--base-url", "http://127.0.0.1:9", "--model", "m", "--label", "x",
+                     "--out", str(tmp_path / "o"), "--concurrency", bad])
+    assert rc == 2 and "--concurrency" in capsys.readouterr().err
+
+
+def _store(tmp: Path, runs: list[tuple[str, Config, int]]) -> Path:
+    store = tmp / "store"
+    for i, (label, cfg, rep) in enumerate(runs):
+        (tmp / f"r{i}").mkdir()
+        doc, _ = run_against(cfg, tmp / f"r{i}", label=label, max_tokens=12,
+                             meta={"repetition": rep, "method": label.split("-")[0]})
+        conn = bench_store.open_store(store)
+        bench_store.store_run(conn, doc)
+        conn.close()
+    return store
+
+
+def test_fast_garbled_method_is_flagged_and_never_best(tmp_path: Path) -> None:
+    base = Config(model="m", step_time=0.01)
+    good = Config(model="m", step_time=0.01, spec=True, method="mtp", k=2, pattern=(1,))
+    garbled = Config(model="m", step_time=0.003, spec=True, method="dflash", k=2, pattern=(2,), garble=True)
+    store = _store(tmp_path, [("baseline", base, 1), ("mtp-k2", good, 1), ("dflash-k2", garbled, 1),
+                              ("baseline", base, 2)])
+    db = sqlite3.connect(store / "results.sqlite")
+    docs = [json.loads(r[0]) for r in db.execute("SELECT doc FROM runs")]
+    assert all(len(q["output_sha256"]) == 64 and q["output_text"] for d in docs for q in d["requests"])
+    path, stats = bench_report.make_report(store, charts=False)
+    rows = {m.label: m for m in stats}
+    assert rows["dflash-k2"].decode["median"] > rows["mtp-k2"].decode["median"]  # fastest...
+    assert rows["dflash-k2"].differs and not rows["mtp-k2"].differs  # ...but garbled
+    assert rows["mtp-k2"].outputs["identical_share"] == 1.0
+    assert rows["mtp-k2"].outputs["floor_identical_share"] == 1.0  # two baseline runs agree
+    assert rows["dflash-k2"].outputs["median_prefix_share"] < 0.5
+    assert bench_analysis.best_row(stats, 1).label == "mtp-k2"
+    md = path.read_text()
+    rec = md.split("## Recommendation")[1].split("##")[0]
+    assert "**Single stream**: `mtp-k2`" in rec and "`dflash-k2`" in rec and "outputs differ" in rec
+    assert bench.main(["export", str(store), "--csv", "--out", str(tmp_path / "csv")]) == 0
+    import csv
+    runs_csv = list(csv.DictReader((tmp_path / "csv" / "runs.csv").open()))
+    reqs_csv = list(csv.DictReader((tmp_path / "csv" / "requests.csv").open()))
+    assert len(runs_csv) == 4 and len(reqs_csv) == sum(len(d["requests"]) for d in docs)
+    assert all(len(r["output_sha256"]) == 64 for r in reqs_csv)
+    checks = dict(sqlite3.connect(store / "results.sqlite").execute(
+        "SELECT r.label, c.differs FROM output_checks c JOIN runs r USING (run_id)").fetchall())
+    assert checks == {"mtp-k2": 0, "dflash-k2": 1}
+
+
+def test_depth_calibrated_and_prefill_cost_known(tmp_path: Path) -> None:
+    """tokens_per_word 1.3 (the calibration must find the words), prefill 0.1 ms per prompt token."""
+    prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=1)
+    cfg = Config(model="m", step_time=0.005, tokens_per_word=1.7, prefill_per_token=1e-4, prefill_time=0.0)
+    with StandinServer(cfg) as srv:
+        rc = bench.main(["run", "--base-url", srv.base_url, "--model", "m", "--label", "baseline",
+                         "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--max-tokens", "8",
+                         "--warmup", "0", "--quiet", "--depth", "2000"])
+        served = [t.prompt_tokens for t in srv.truth]
+    assert rc == 0
+    (doc,) = _docs(tmp_path / "out")
+    d = doc["meta"]["depth"]
+    assert d["target_tokens"] == 2000 and abs(d["calibrated_prompt_tokens"] - 2000) <= 100
+    assert d["outside_tolerance"] == 0 and d["filler_sha256"] == bench_depth.FILLER_SHA256
+    assert all(abs(p - 2000) <= 100 for p in served[-2:])
+    ttft = doc["summary"]["ttft_s"]["median"]
+    pt = doc["summary"]["prompt_tokens"]["median"]
+    assert ttft == pytest.approx(pt * 1e-4, rel=0.25)
+    assert doc["summary"]["prefill_tok_s"]["median"] == pytest.approx(1e4, rel=0.25)
+    md = bench_report.make_report(tmp_path / "out", charts=False)[0].read_text()
+    assert "## Context depth" in md
+
+
+def test_filler_is_pinned_by_hash() -> None:
+    assert bench_depth.corpus_sha256() == bench_depth.FILLER_SHA256
+
+
+def _fake_smi(tmp: Path, lines: list[str]) -> str:
+    """An nvidia-smi printing the next line of a trace on every call (the last one repeated)."""
+    trace = tmp / "trace.txt"
+    trace.write_text("\n".join(lines) + "\n")
+    exe = tmp / "nvidia-smi"
+    exe.write_text(f"""#!/bin/sh
+n=$(cat {tmp}/n 2>/dev/null || echo 1)
+sed -n "${{n}}p" {trace} | grep . || tail -n 1 {trace}
+echo $((n + 1)) > {tmp}/n
+""")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_energy_per_token_from_a_known_power_trace(tmp_path: Path) -> None:
+    smi = _fake_smi(tmp_path, ["100.0, 60, 2000"])
+    tel = bench_telemetry.Telemetry(0.05, smi)
+    tel.start()
+    import time
+    time.sleep(0.3)
+    tel.stop()
+    s = tel.summary(output_tokens=50)
+    span = s["samples"][-1]["t_s"] - s["samples"][0]["t_s"]
+    assert s["energy_j"] == pytest.approx(100.0 * span) and s["j_per_output_token"] == pytest.approx(2 * span)
+    assert s["warnings"] == [] and s["power_w_mean"] == 100.0
+
+
+def test_throttle_marks_a_warning_not_an_invalid_run(tmp_path: Path) -> None:
+    samples = [{"t_s": 0.0, "power_w": 50.0, "temp_c": 70.0, "sm_clock_mhz": 2400.0},
+               {"t_s": 2.0, "power_w": 150.0, "temp_c": 90.0, "sm_clock_mhz": 1500.0}]
+    s = bench_telemetry.summarise(samples, 100, True)
+    assert s["energy_j"] == pytest.approx(200.0) and s["j_per_output_token"] == pytest.approx(2.0)
+    assert len(s["warnings"]) == 2
+    smi = _fake_smi(tmp_path, ["120.0, 90, 2400", "120.0, 90, 1200"])
+    doc, _ = run_against(Config(model="m"), tmp_path, max_tokens=8)
+    assert doc["valid"]  # the helper's run used PATH; now one with the throttling trace:
+    from sparkllm import bench_client, bench_runner
+    with StandinServer(Config(model="m")) as srv:
+        opts = bench_runner.RunOptions(base_url=srv.base_url, model="m", label="x", out=tmp_path / "o2",
+                                       prompts=tmp_path / "p.jsonl", warmup=0, progress=False,
+                                       sampling=bench_client.Sampling(max_tokens=8), nvidia_smi=smi,
+                                       telemetry_interval=0.02)
+        hot = bench_runner.execute_run(opts)
+    assert hot["valid"] and any("dropped" in w for w in hot["warnings"])
+    assert any("temperature" in w for w in hot["warnings"])
+
+
+def test_host_without_nvidia_smi_says_so(tmp_path: Path) -> None:
+    s = bench_telemetry.summarise([{"t_s": 0.0, "mem_available_mib": 1.0}], 10, False)
+    assert s["j_per_output_token"] is None and "no nvidia-smi" in s["note"]
+
+
+def test_version_1_store_is_migrated(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / bench_store.STORE_NAME)
+    conn.executescript(bench_store.MIGRATIONS[0][2])
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO runs (run_id, label, valid, problems, doc) "
+                 "VALUES ('old', 'baseline', 1, '[]', '{}')")
+    conn.commit()
+    conn.close()
+    conn = bench_store.open_store(tmp_path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert [tuple(r) for r in conn.execute("SELECT run_id, input_depth FROM runs")] == [("old", None)]
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
+    assert {"output_sha256", "output_text", "prompt_tokens"} <= cols
