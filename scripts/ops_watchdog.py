@@ -126,6 +126,11 @@ def run(a: argparse.Namespace, now: float | None = None) -> int:
         st.update(failures=0, invocation=None, healthy_seen=False)
         save_state(a.state, st)
         return 0
+    if st.get("gave_up"):
+        # started again after a give-up (the timer is stopped then): the operator's start is the
+        # acknowledgement, so the rate limit starts afresh
+        log(f"{a.unit}: active again after the give-up; restart count reset")
+        st.update(gave_up=None, restarts=[])
     if us.get("InvocationID") != st.get("invocation"):
         st.update(invocation=us.get("InvocationID"), failures=0, healthy_seen=False)
     reason = probe(a)

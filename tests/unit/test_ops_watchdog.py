@@ -70,3 +70,16 @@ def test_a_loading_server_is_not_judged_within_its_grace(bed) -> None:
     for _ in range(4):
         assert wd.run(a) == 0
     assert _calls(calls) == []
+
+
+def test_a_start_after_the_give_up_resets_the_rate_limit(bed, capsys) -> None:
+    tmp, wedge, calls, fake, srv = bed
+    a = _args(tmp, fake, srv)
+    wedge.touch()
+    results = [wd.run(a) for _ in range(4)]  # 2 failures -> restart, 2 more -> give up
+    assert results == [0, 0, 0, 1]
+    # the operator fixed it and started unit and timer again: the next failures restart, not give up
+    assert wd.run(a) == 0 and wd.run(a) == 0
+    assert _calls(calls)[-1] == "restart --no-block u.service"
+    assert "restart count reset" in capsys.readouterr().out
+    assert not json.loads((tmp / "st.json").read_text())["gave_up"]
