@@ -101,6 +101,9 @@ def test_a_memory_hog_gets_the_server_stopped_and_the_box_stays_up(host):
         hog_rss = int(host.check_output(
             "awk '/VmRSS/ {print int($2 / 1024)}' /proc/$(systemctl show -p MainPID --value ops-hog)/status"))
         assert hog_rss > HOLD_MIB, hog_rss
+        avail_line = re.search(r"mem avail:.*?\)", log)
+        print(f"\nGUARD FIGURE: {avail_line.group(0) if avail_line else '?'}; {kill.group(0)}; "
+              f"stopped {_now(host) - t0} s after the hog started; hog spared at {hog_rss} MiB")
         assert _wait(lambda: _meminfo_mib(host, "MemAvailable") > 2048 * 6 // 100 + HOLD_MIB // 2, 10,
                      "the server's memory to come back")
         # the box answers Ansible, and nothing brings the server back into the shortage
@@ -136,6 +139,7 @@ def test_a_wedged_server_is_restarted_after_two_failed_probes(host):
     assert re.search(rf"{UNIT}: probe failed \(1/2\): no answer \(TimeoutError", log), log
     assert f"{UNIT}: restarting after 2 failed probes (restart 1 of 2 allowed within 600s)" in log, log
     _wait(lambda: _healthy(host), 60, "the restarted server's /health")
+    print(f"\nWATCHDOG FIGURE: wedged -> restarted -> healthy again in {_now(host) - t0} s")
     assert _invocation(host) != before
     assert host.check_output("pgrep -x vllm") != pid
 
@@ -154,6 +158,7 @@ def test_a_server_that_stays_wedged_ends_in_a_clear_failed_state(host):
                          r"sparkllm-watchdog.timer .*systemctl reset-failed sparkllm-watchdog.service; "
                          rf"systemctl start {UNIT} sparkllm-watchdog.timer", log), log
         _wait(lambda: not host.service(UNIT).is_running, 30, f"{UNIT} to stop")
+        print(f"\nWATCHDOG FIGURE: wedged for good -> gave up after {_now(host) - t0} s")
         assert host.run("systemctl is-failed sparkllm-watchdog.service").stdout.strip() == "failed"
         assert host.run("systemctl is-active sparkllm-watchdog.timer").stdout.strip() == "inactive"
         # no restart storm: nothing starts the server again
