@@ -49,6 +49,7 @@ STAGES: dict[str, Stage] = {
     "model": Stage(roles=("model_fetch", "model_hybrid", "spark_tools"), playbooks=("model.yml",)),
     "serve": Stage(roles=("serve",), playbooks=("serve.yml",), after=("build", "model")),
     "bench": Stage(roles=("bench",), playbooks=("bench.yml",), after=("serve",)),
+    "ops": Stage(roles=("spark_ops",), playbooks=("ops.yml",), after=("serve",)),
 }
 # Toolkit files every stage runs or may run: a change here reruns every stage once.
 SHARED_PATHS = ("filter_plugins", "library", "scripts", "templates", "patches", "group_vars",

@@ -1,0 +1,104 @@
+"""The memory guard's files as the role renders them (role spark_ops, issue 24): earlyoom's arguments
+and the hook it runs after a kill. The hook is run for real with stand-ins for logger and systemctl;
+molecule/ops runs the whole guard against a real memory hog."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import jinja2
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = ROOT / "roles" / "spark_ops"
+UNIT = "sparkllm-vllm-mtp.service"
+
+
+def role_vars(**over) -> dict:
+    v = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    v.update(ansible_managed="Ansible managed", spark_ops_unit=UNIT,
+             spark_ops_libexec_dir="/usr/local/libexec/sparkllm")
+    v.update(over)
+    return v
+
+
+def render(name: str, **over) -> str:
+    env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    return env.from_string((ROLE / "templates" / name).read_text()).render(**role_vars(**over))
+
+
+def earlyoom_argv() -> list[str]:
+    line = next(x for x in render("earlyoom.default.j2").splitlines() if x.startswith("EARLYOOM_ARGS="))
+    # systemd's `ExecStart=/usr/bin/earlyoom $EARLYOOM_ARGS`: the value unquoted, split at whitespace
+    return shlex.split(line.split("=", 1)[1])[0].split()
+
+
+def test_earlyoom_gets_the_thresholds_victims_and_hook() -> None:
+    argv = earlyoom_argv()
+    opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("-") and argv[i] != "-p"}
+    assert opt["-m"] == "6,3" and opt["-s"] == "100,100"
+    assert opt["-N"] == "/usr/local/libexec/sparkllm/oom-hook"
+    prefer, avoid = re.compile(opt["--prefer"]), re.compile(opt["--avoid"])
+    # vLLM's process names: its console script, and the setproctitle titles (comm keeps 15 characters)
+    for comm in ("vllm", "VLLM::EngineCor", "VLLM::Worker_TP0"):
+        assert prefer.search(comm), comm
+    # a notebook or any other Python is not the server
+    for comm in ("python3", "python3.12", "jupyter-lab", "myvllmtool"):
+        assert not prefer.search(comm), comm
+    for comm in ("sshd", "systemd", "systemd-journal", "dockerd", "containerd-shim-runc-v2", "earlyoom"):
+        assert avoid.search(comm), comm
+    assert not avoid.search("vllm")
+
+
+def test_earlyoom_runs_as_root_so_its_hook_may_stop_the_unit() -> None:
+    text = render("earlyoom-sparkllm.conf.j2")
+    assert re.search(r"^\[Service\]\nDynamicUser=no$", text, re.M), text
+
+
+@pytest.fixture
+def hook(tmp_path: Path):
+    """The rendered hook with logger and systemctl replaced by scripts that record their arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("logger", "systemctl"):
+        f = bin_dir / tool
+        f.write_text(f'#!/bin/sh\necho "{tool} $*" >> {tmp_path}/calls\n')
+        f.chmod(0o755)
+
+    def run(name: str, **over) -> list[str]:
+        script = tmp_path / "oom-hook"
+        script.write_text(render("oom-hook.j2", **over))
+        script.chmod(0o755)
+        env = dict(os.environ, PATH=f"{bin_dir}:/usr/bin:/bin", EARLYOOM_PID="4242", EARLYOOM_UID="0",
+                   EARLYOOM_NAME=name)
+        (tmp_path / "calls").unlink(missing_ok=True)
+        assert subprocess.run([str(script)], env=env, check=False).returncode == 0
+        return (tmp_path / "calls").read_text().splitlines()
+
+    return run
+
+
+def test_the_hook_stops_the_unit_when_the_server_was_killed(hook) -> None:
+    calls = hook("VLLM::EngineCor")
+    assert any("earlyoom killed pid 4242 (VLLM::EngineCor): MemAvailable fell below 6 % of MemTotal" in c
+               for c in calls), calls
+    assert any(f"stopping {UNIT} (memory guard)" in c and f"systemctl start {UNIT}" in c
+               for c in calls), calls
+    assert calls[-1] == f"systemctl stop --no-block {UNIT}"
+
+
+def test_the_hook_leaves_the_unit_alone_when_something_else_was_killed(hook) -> None:
+    calls = hook("python3")
+    assert len(calls) == 1 and "earlyoom killed pid 4242 (python3)" in calls[0], calls
+    assert not any(c.startswith("systemctl") for c in calls)
+
+
+def test_the_hook_only_logs_when_told_not_to_stop(hook) -> None:
+    calls = hook("vllm", spark_ops_guard_stop_unit=False)
+    assert not any(c.startswith("systemctl") for c in calls)
+    assert any("left to its Restart= policy" in c for c in calls), calls
