@@ -148,13 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="print one scrape and exit")
     args = p.parse_args(argv)
     if not 0 < args.port < 65536:
-        p.error(f"--port {args.port} is out of range: give 1..65535")
+        print(f"gb10_exporter: --port {args.port} is out of range: give 1..65535", file=sys.stderr)
+        return 2
     exe = args.nvidia_smi or shutil.which("nvidia-smi")
     collector = Collector(exe, args.meminfo)
     if args.once:
         text = collector.collect()
         sys.stdout.write(text)
-        return 0 if ("gb10_nvidia_smi_up 1.0" in text or "gb10_memory_available_bytes" in text) else 1
+        if "gb10_nvidia_smi_up 1.0" in text or "gb10_memory_available_bytes" in text:
+            return 0
+        print(f"gb10_exporter: read nothing: nvidia-smi ({exe or 'not on PATH'}) and {args.meminfo} "
+              "both failed; "
+              "give --nvidia-smi PATH or check the driver", file=sys.stderr)
+        return 1
     Handler.collector = collector
     try:
         server = ThreadingHTTPServer((args.listen, args.port), Handler)

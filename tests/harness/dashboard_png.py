@@ -69,7 +69,7 @@ def draw(rows: list[dict[str, Any]], out: Path, title: str) -> int:
     for ax in axes[-1]:
         ax.set_xlabel("minutes", fontsize=7)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".png")
     os.close(fd)
     fig.savefig(tmp, dpi=90)
