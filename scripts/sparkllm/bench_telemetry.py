@@ -11,33 +11,16 @@ A host without nvidia-smi records no samples and says so.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import Any
+
+from sparkllm.gpu_smi import MEMINFO, SmiError, mem_available_mib, num, query
 
 QUERY = "power.draw,temperature.gpu,clocks.sm"
 THROTTLE_TEMP_C = 85.0  # GB10's slowdown point is not published; 85 C is where we warn
 CLOCK_DROP = 0.85  # an SM clock below 85 % of the run's highest reading counts as a drop
-MEMINFO = Path("/proc/meminfo")
-
-
-def _num(s: str) -> float | None:
-    try:
-        return float(s.strip())
-    except ValueError:
-        return None  # "[N/A]", "[Not Supported]"
-
-
-def mem_available_mib(path: Path = MEMINFO) -> float | None:
-    try:
-        for line in path.read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+__all__ = ["MEMINFO", "Telemetry", "energy_j", "mem_available_mib", "summarise"]
 
 
 class Telemetry(threading.Thread):
@@ -55,12 +38,11 @@ class Telemetry(threading.Thread):
         row: dict[str, Any] = {"t_s": round(t, 4), "mem_available_mib": mem_available_mib()}
         if self.exe:
             try:
-                out = subprocess.run([self.exe, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=10, check=True).stdout
-                first = out.strip().splitlines()[0].split(",")
-                row.update(power_w=_num(first[0]), temp_c=_num(first[1]), sm_clock_mhz=_num(first[2]))
-            except (OSError, subprocess.SubprocessError, IndexError) as exc:
-                self.error = f"nvidia-smi failed: {exc}"[:200]
+                first = query(self.exe, QUERY.split(","))[0]  # sparkllm.gpu_smi (the GB10 exporter's too)
+                row.update(power_w=num(first["power.draw"]), temp_c=num(first["temperature.gpu"]),
+                           sm_clock_mhz=num(first["clocks.sm"]))
+            except SmiError as exc:
+                self.error = str(exc)[:200]
         self.samples.append(row)
 
     def run(self) -> None:

@@ -222,6 +222,11 @@ ROWS = [
     Row("bench fetch-prompts: --dest a directory", "bench.py",
         lambda w: ["fetch-prompts", "--source", "specbench", "--dest", str(w.foreign)], 2,
         lambda w: "is a directory"),
+    Row("gb10_exporter: --port out of range", "gb10_exporter.py", lambda w: ["--port", "70000"], 2,
+        lambda w: "--port 70000 is out of range: give 1..65535"),
+    Row("gb10_exporter: --once with nothing readable", "gb10_exporter.py",
+        lambda w: ["--once", "--nvidia-smi", str(w.root / "no-smi"), "--meminfo", str(w.root / "none")], 1,
+        lambda w: "read nothing: nvidia-smi"),
 ]
 
 

@@ -38,6 +38,7 @@ TEMPLATE_VARS = {
         "spark_link_firewall_template": "sparkllm-link-firewall.nft.j2",
     },
     "vllm_build": {"vllm_build_dockerfile_template": "Dockerfile.j2"},
+    "spark_monitoring": {"spark_monitoring_prometheus_template": "prometheus.yml.j2"},
 }
 
 

@@ -1,0 +1,149 @@
+"""scripts/gb10_exporter.py and sparkllm.gpu_smi: GB10-shaped nvidia-smi output ([N/A] memory), a
+missing or failing nvidia-smi, the scrape over HTTP."""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import urllib.request
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import gb10_exporter as exp
+import pytest
+from sparkllm import gpu_smi
+
+# What a GB10 prints for the exporter's fields (memory.used and memory.total are [N/A] there)
+GB10_LINE = "11.42, 44, 2405, 3003, 96, [N/A], [N/A], 0x0000000000000004"
+MEMINFO = """MemTotal:       128452844 kB
+MemFree:         1049112 kB
+MemAvailable:   119876543 kB
+SwapTotal:       16777212 kB
+SwapFree:        16777212 kB
+HugePages_Total:       0
+"""
+
+
+def fake_smi(tmp: Path, body: str) -> str:
+    exe = tmp / "nvidia-smi"
+    exe.write_text("#!/bin/sh\n" + body)
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def gb10_smi(tmp: Path) -> str:
+    """Answers only the exporter's exact query, as CSV without units; anything else is an error."""
+    want = "--query-gpu=" + ",".join(exp.FIELDS)
+    return fake_smi(tmp, f'[ "$1" = "{want}" ] && [ "$2" = "--format=csv,noheader,nounits" ] '
+                         f'|| {{ echo "unexpected args: $*" >&2; exit 9; }}\necho "{GB10_LINE}"\n')
+
+
+def parse(text: str) -> dict[str, float]:
+    """Prometheus text format -> {'name{labels}': value}; every sample line must be well formed."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)', line)
+        assert m, f"malformed sample line {line!r}"
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+@pytest.fixture()
+def meminfo(tmp_path: Path) -> Path:
+    p = tmp_path / "meminfo"
+    p.write_text(MEMINFO)
+    return p
+
+
+def test_gb10_output_with_na_memory(tmp_path: Path, meminfo: Path) -> None:
+    m = parse(exp.Collector(gb10_smi(tmp_path), meminfo).collect())
+    assert m["gb10_nvidia_smi_up"] == 1.0
+    assert m['gb10_power_draw_watts{gpu="0"}'] == 11.42
+    assert m['gb10_temperature_celsius{gpu="0"}'] == 44.0
+    assert m['gb10_sm_clock_hertz{gpu="0"}'] == 2405e6
+    assert m['gb10_sm_clock_max_hertz{gpu="0"}'] == 3003e6
+    assert m['gb10_utilization_ratio{gpu="0"}'] == pytest.approx(0.96)
+    # [N/A] is left out, never exported as 0
+    assert not any(k.startswith("gb10_nvml_memory") for k in m)
+    # the memory comes from /proc/meminfo (kB = KiB)
+    assert m["gb10_memory_total_bytes"] == 128452844 * 1024
+    assert m["gb10_memory_available_bytes"] == 119876543 * 1024
+    assert m["gb10_swap_free_bytes"] == 16777212 * 1024
+    # 0x4 = SW power cap, and only that
+    assert m['gb10_clocks_throttle_reasons_bitmask{gpu="0"}'] == 4.0
+    assert m['gb10_clocks_throttle_reason_active{gpu="0",reason="sw_power_cap"}'] == 1.0
+    active = [k for k, v in m.items() if k.startswith("gb10_clocks_throttle_reason_active") and v]
+    assert len(active) == 1
+
+
+def test_missing_nvidia_smi_still_answers_with_memory(meminfo: Path) -> None:
+    text = exp.Collector(None, meminfo).collect()
+    m = parse(text)
+    assert m["gb10_nvidia_smi_up"] == 0.0
+    assert m["gb10_memory_available_bytes"] == 119876543 * 1024
+    assert not any(k.startswith(("gb10_power", "gb10_temperature", "gb10_sm_clock")) for k in m)
+    assert "# nvidia-smi: not found on PATH" in text
+
+
+def test_nvidia_smi_failing_or_printing_garbage(tmp_path: Path, meminfo: Path) -> None:
+    exe = fake_smi(tmp_path, 'echo "NVIDIA-SMI has failed because it could not communicate" >&2; exit 9\n')
+    text = exp.Collector(exe, meminfo).collect()
+    assert parse(text)["gb10_nvidia_smi_up"] == 0.0
+    assert "exited 9: NVIDIA-SMI has failed" in text
+    exe = fake_smi(tmp_path, 'echo "1.0, 2.0"\n')  # two values for eight fields
+    with pytest.raises(gpu_smi.SmiError, match="not 8 values"):
+        gpu_smi.query(exe, exp.FIELDS)
+    assert parse(exp.Collector(exe, meminfo).collect())["gb10_nvidia_smi_up"] == 0.0
+
+
+def test_driver_without_the_throttle_field_falls_back(tmp_path: Path, meminfo: Path) -> None:
+    exe = fake_smi(tmp_path, 'case "$1" in *clocks_throttle_reasons*) '
+                             'echo \'Field "clocks_throttle_reasons.active" is not a valid field\'; '
+                             'exit 2;; esac\necho "20.5, 50, 2000, 3003, 10, [N/A], [N/A]"\n')
+    c = exp.Collector(exe, meminfo)
+    m = parse(c.collect())
+    assert m["gb10_nvidia_smi_up"] == 1.0 and m['gb10_power_draw_watts{gpu="0"}'] == 20.5
+    assert exp.THROTTLE_FIELD not in c.fields
+    assert not any(k.startswith("gb10_clocks_throttle") for k in m)
+
+
+def test_meminfo_unreadable_and_na_parsing(tmp_path: Path) -> None:
+    assert gpu_smi.meminfo(tmp_path / "absent") == {}
+    assert gpu_smi.mem_available_mib(tmp_path / "absent") is None
+    assert gpu_smi.num("[N/A]") is None and gpu_smi.num("[Not Supported]") is None
+    assert gpu_smi.bitmask("[N/A]") is None and gpu_smi.bitmask("0x0000000000000044") == 0x44
+
+
+def test_scrape_over_http(tmp_path: Path, meminfo: Path) -> None:
+    exp.Handler.collector = exp.Collector(gb10_smi(tmp_path), meminfo)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), exp.Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            m = parse(r.read().decode())
+        assert m['gb10_power_draw_watts{gpu="0"}'] == 11.42
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(url + "/other", timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_once_and_usage(tmp_path: Path, meminfo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert exp.main(["--once", "--nvidia-smi", gb10_smi(tmp_path), "--meminfo", str(meminfo)]) == 0
+    assert "gb10_power_draw_watts" in capsys.readouterr().out
+    # nothing readable at all: exit 1
+    assert exp.main(["--once", "--nvidia-smi", str(tmp_path / "none"), "--meminfo", str(tmp_path / "x")]) == 1
+    assert exp.main(["--port", "70000"]) == 2
+    assert "out of range" in capsys.readouterr().err
+
+
+def test_exporter_is_stdlib_only() -> None:
+    src = (Path(exp.__file__).read_text() + Path(gpu_smi.__file__).read_text())
+    mods = set(re.findall(r"^(?:from|import) ([a-zA-Z_]+)", src, re.M))
+    assert mods - {"__future__", "sparkllm"} <= set(sys.stdlib_module_names), mods
