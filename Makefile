@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image \
-        bench-merge bench-runner demo gpu-e2e gpu-first-start clean
+        bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash clean
 
 # --- set-up ----------------------------------------------------------------
 $(BIN)/.stamp: requirements.txt
@@ -79,3 +79,7 @@ gpu-e2e:
 # ARGS e.g. --cases graph-base,fi-graph-base --flashinfer-cuda-home DIR (tests/gpu/cuda_home.sh makes one)
 gpu-first-start:
 	$(PYTHON) tests/gpu/first_start.py --out results/gpu-first-start $(ARGS)
+
+# DFlash (tiny drafter) and bench.py --concurrency 1,2,4 on vLLM 0.26.0 (tests/gpu/dflash_bench.py)
+gpu-dflash:
+	$(PYTHON) tests/gpu/dflash_bench.py --out results/gpu-dflash $(ARGS)

@@ -58,6 +58,18 @@ def test_real_start_logs_pass_every_phase_in_order_with_their_durations(name, pr
     assert not tr.restarted
 
 
+def test_a_real_dflash_cuda_graph_start_on_vllm_0_26_0_passes_every_phase_in_order():
+    """vLLM 0.26.0, V2 model runner, DFlash drafter, CUDA graphs (tests/gpu/dflash_bench.py on an H200,
+    2026-12-02): the capture phase is seen, and the 212 s profile/compile run is the compile phase."""
+    tr = _run(LOGS / "vllm-0.26.0-dflash-graph.log")
+    phases = [h["phase"] for h in tr.history]
+    assert phases == ["start", "engine", "weights", "compile", "kv_cache", "cuda_graphs", "api"]
+    assert tr.phase == "ready" and not tr.restarted
+    took = {h["phase"]: h["seconds"] for h in tr.history}
+    assert took["compile"] == pytest.approx(212, abs=2)
+    assert took["cuda_graphs"] == pytest.approx(77, abs=2)  # capture (7 s) and the warm-up after it
+
+
 def test_a_budget_below_the_silent_profile_run_would_have_stalled_the_real_start():
     """Real 0.20.0 INT4 start: 142 s without a line after the load. With a compile budget of 120 s the
     wait calls it stalled in that phase; with the default (2400 s) it does not."""
