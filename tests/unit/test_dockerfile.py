@@ -255,7 +255,22 @@ def _aot_run(text: str) -> str:
     return "".join(parts)
 
 
+def _serves_flashinfer(variant: str) -> bool:
+    cat = METHODS["spark_method_catalogue"]
+    return any((m.get("serve_flags") or {}).get("attention_backend") == "FLASHINFER"
+               for m in cat.values() if m["vllm_variant"] == variant)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_flashinfer_aot_follows_the_attention_backends_the_variant_serves(variant):
+    """A variant compiles FlashInfer's kernels ahead of time exactly when a method it serves uses FlashInfer
+    attention: the DFlash image (FLASH_ATTN only) is not slowed by a compile nothing loads."""
+    assert VARIANTS[variant]["flashinfer_aot"] is _serves_flashinfer(variant)
+    for install in INSTALLS:
+        assert ("python3 -m flashinfer.aot" in rendered(variant, install=install)) is _serves_flashinfer(variant)
+
+
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if _serves_flashinfer(v)))
 @pytest.mark.parametrize("install", INSTALLS)
 def test_flashinfer_kernels_are_built_ahead_of_time_in_the_runtime_stage(variant, install):
     """Issue 22 item 4: FlashInfer's own AOT build for the arch list, after vLLM (and so FlashInfer) is
