@@ -34,7 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
-from sparkllm.fileio import sha256_file, write_json_atomic  # noqa: E402
+from sparkllm.fileio import write_json_atomic  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_sources import fetch_pinned  # noqa: E402  (one pinned download for the sdists and these wheels)
 
 DATA = Path(__file__).resolve().parent / "data" / "flashinfer_packages.json"
 CACHE = ROOT / ".cache"
@@ -51,22 +54,7 @@ def pins() -> dict:
 
 def wheel(version: str) -> Path:
     pin = pins()["wheels"][version]
-    dest = CACHE / "flashinfer-wheels" / pin["url"].rsplit("/", 1)[1]
-    if dest.exists() and sha256_file(dest) == pin["sha256"]:
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(pin["url"], timeout=120) as resp:  # noqa: S310
-            shutil.copyfileobj(resp, out, 1 << 20)
-        got = sha256_file(Path(tmp))
-        if got != pin["sha256"]:
-            raise RuntimeError(f"{pin['url']} has sha256 {got}, {DATA.name} pins {pin['sha256']}")
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return dest
+    return fetch_pinned(pin["url"], pin["sha256"], CACHE / "flashinfer-wheels", DATA.name)
 
 
 def package_tree(version: str) -> Path:

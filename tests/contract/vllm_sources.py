@@ -37,26 +37,32 @@ def pins() -> dict[str, dict[str, str]]:
 
 
 
-def sdist(version: str) -> Path:
-    """The pinned sdist of ``version`` in .cache/vllm-sdist (downloaded when missing or wrong)."""
-    pin = pins()[version]
-    dest = CACHE / "vllm-sdist" / pin["url"].rsplit("/", 1)[1]
-    if dest.exists() and sha256_file(dest) == pin["sha256"]:
+def fetch_pinned(url: str, sha256: str, dest_dir: Path, pins_name: str) -> Path:
+    """``url`` in ``dest_dir`` under its own file name, checked against ``sha256`` (downloaded when missing
+    or wrong, through a temporary file moved into place only once its hash matches)."""
+    dest = dest_dir / url.rsplit("/", 1)[1]
+    if dest.exists() and sha256_file(dest) == sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, suffix=".part")
     try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(pin["url"], timeout=120) as resp:  # noqa: S310
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=120) as resp:  # noqa: S310
             shutil.copyfileobj(resp, out, 1 << 20)
         got = sha256_file(Path(tmp))
-        if got != pin["sha256"]:
-            raise RuntimeError(f"{pin['url']} has sha256 {got}, {PINS.name} pins {pin['sha256']}: "
+        if got != sha256:
+            raise RuntimeError(f"{url} has sha256 {got}, {pins_name} pins {sha256}: "
                                "PyPI served other bytes; check the pin against the simple index")
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return dest
+
+
+def sdist(version: str) -> Path:
+    """The pinned sdist of ``version`` in .cache/vllm-sdist (downloaded when missing or wrong)."""
+    pin = pins()[version]
+    return fetch_pinned(pin["url"], pin["sha256"], CACHE / "vllm-sdist", PINS.name)
 
 
 def source_tree(version: str) -> Path:

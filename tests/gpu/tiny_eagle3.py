@@ -24,10 +24,7 @@ ours, 2 usage.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shutil
 import struct
 import sys
 from pathlib import Path
@@ -106,41 +103,14 @@ def write(path: Path, items: list[tuple[str, str, np.ndarray]], v: int) -> int:
 
 
 def generate(out: Path, seed: int = 0, tokenizer_from: Path | None = None) -> dict:
-    out = out.resolve()
-    if out.exists():
-        if not (out / MARKER).is_file():
-            raise FileExistsError(f"{out} exists and was not written by tiny_eagle3.py; choose another OUT")
-        shutil.rmtree(out)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     cfg = config()
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    n = write(tmp / "model.safetensors", tensors(seed), cfg["vocab_size"])
-    if tokenizer_from is not None:
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (tokenizer_from / f).is_file():
-                shutil.copy(tokenizer_from / f, tmp / f)
-    else:
-        tiny_pair.write_tokenizer(tmp)
-    (tmp / MARKER).write_text(json.dumps({"seed": seed}))
-    tmp.rename(out)
-    return {"path": str(out), "tensors": n, "bytes": (out / "model.safetensors").stat().st_size}
+    return tiny_pair.write_drafter(out, MARKER, "tiny_eagle3.py", cfg,
+                                   lambda path: write(path, tensors(seed), cfg["vocab_size"]), seed,
+                                   tokenizer_from)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tiny_eagle3.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="output directory (replaced only if this script wrote it)")
-    p.add_argument("--seed", type=int, default=0, help="the tiny_pair.py seed of the target (default 0)")
-    p.add_argument("--tokenizer-from", type=Path, help="copy the target's tokenizer files from here")
-    a = p.parse_args(argv)
-    try:
-        info = generate(a.out, a.seed, a.tokenizer_from)
-    except FileExistsError as e:
-        print(f"tiny_eagle3.py: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(info))
-    return 0
+    return tiny_pair.drafter_main("tiny_eagle3.py", __doc__, generate, argv)
 
 
 if __name__ == "__main__":

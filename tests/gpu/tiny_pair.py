@@ -519,6 +519,50 @@ def greedy_continuation(text_last_char: str, n: int, seed: int = 0) -> str:
     return "".join(out)
 
 
+def write_drafter(out: Path, marker: str, prog: str, config: dict, write_weights, seed: int,
+                  tokenizer_from: Path | None = None) -> dict:
+    """A drafter directory for the tiny target (tiny_eagle3.py, tiny_dflash.py): written in a temporary
+    sibling and moved into place; an existing ``out`` is replaced only if it holds ``marker`` (ours).
+    ``write_weights(path) -> tensor count`` writes model.safetensors. Tokenizer files are the target's
+    (copied from ``tokenizer_from``) or this module's own."""
+    out = out.resolve()
+    if out.exists():
+        if not (out / marker).is_file():
+            raise FileExistsError(f"{out} exists and was not written by {prog}; choose another OUT")
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    n = write_weights(tmp / "model.safetensors")
+    if tokenizer_from is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tokenizer_from / f).is_file():
+                shutil.copy(tokenizer_from / f, tmp / f)
+    else:
+        write_tokenizer(tmp)
+    (tmp / marker).write_text(json.dumps({"seed": seed}))
+    tmp.rename(out)
+    return {"path": str(out), "tensors": n, "bytes": (out / "model.safetensors").stat().st_size}
+
+
+def drafter_main(prog: str, doc: str, generate, argv: list[str] | None = None) -> int:
+    """The command line both drafter generators share: OUT [--seed N] [--tokenizer-from DIR]; exit 0
+    written, 1 OUT exists and is not ours, 2 usage."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="output directory (replaced only if this script wrote it)")
+    p.add_argument("--seed", type=int, default=0, help="the tiny_pair.py seed of the target (default 0)")
+    p.add_argument("--tokenizer-from", type=Path, help="copy the target's tokenizer files from here")
+    a = p.parse_args(argv)
+    try:
+        info = generate(a.out, a.seed, a.tokenizer_from)
+    except FileExistsError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(info))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tiny_pair.py", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="output directory (int4/ and fp8/ inside); replaced only "

@@ -267,7 +267,8 @@ def test_flashinfer_aot_follows_the_attention_backends_the_variant_serves(varian
     attention: the DFlash image (FLASH_ATTN only) is not slowed by a compile nothing loads."""
     assert VARIANTS[variant]["flashinfer_aot"] is _serves_flashinfer(variant)
     for install in INSTALLS:
-        assert ("python3 -m flashinfer.aot" in rendered(variant, install=install)) is _serves_flashinfer(variant)
+        text = rendered(variant, install=install)
+        assert ("python3 -m flashinfer.aot" in text) is _serves_flashinfer(variant)
 
 
 @pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if _serves_flashinfer(v)))
