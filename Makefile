@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 SPEC_METHOD ?= mtp
 INVENTORY ?= inventory/hosts.yml
 # molecule scenarios run by `make test` (longest first: they run two at a time)
-SCENARIOS ?= model vllm_build site serve cluster ops bench metrics preflight
+SCENARIOS ?= site vllm_build serve cluster model ops bench metrics preflight
 # scratch directory of `make bench-merge`, on the disk to measure (its 16 GB round holds ~42 GB there)
 BENCH_DIR ?= /var/tmp
 export PATH := $(CURDIR)/$(BIN):$(PATH)
