@@ -85,15 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["failed"] = failures
         (a.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
 
-    ver = e2e.run([sys.executable, "-c", "import json, os, torch, vllm; print(json.dumps({"
-                   "'vllm': vllm.__version__, 'torch': torch.__version__, "
-                   "'gpu': torch.cuda.get_device_name(0), "
-                   "'site': os.path.dirname(os.path.dirname(vllm.__file__))}))"])
-    if ver.returncode:
-        print(f"dflash_bench.py: vLLM or a GPU is not available here: {ver.stderr.strip().splitlines()[-1:]}",
-              file=sys.stderr)
+    host = e2e.host_versions("dflash_bench.py")
+    if host is None:
         return 2
-    host = json.loads(ver.stdout.strip().splitlines()[-1])
     summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")} | {"date": time.strftime("%Y-%m-%d")}
     models = e2e.build_models(a.work)
     summary["pipeline_verify_ok"] = models["verify"]["ok"]

@@ -114,6 +114,20 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------ pipeline
+def host_versions(prog: str) -> dict | None:
+    """vLLM, torch, the GPU and vLLM's site-packages of this host, from a child Python (so a missing CUDA
+    fails there, not here); None, after one line on stderr naming what is missing, when there is none."""
+    ver = run([sys.executable, "-c", "import json, os, torch, vllm; print(json.dumps({"
+               "'vllm': vllm.__version__, 'torch': torch.__version__, "
+               "'gpu': torch.cuda.get_device_name(0), "
+               "'site': os.path.dirname(os.path.dirname(vllm.__file__))}))"])
+    if ver.returncode:
+        print(f"{prog}: vLLM or a GPU is not available here: {ver.stderr.strip().splitlines()[-1:]}",
+              file=sys.stderr)
+        return None
+    return json.loads(ver.stdout.strip().splitlines()[-1])
+
+
 def build_models(work: Path) -> dict:
     py = sys.executable
     pair = work / "pair"
@@ -394,15 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             failures.append(name)
 
-    ver = run([sys.executable, "-c", "import json, os, torch, vllm; print(json.dumps({"
-               "'vllm': vllm.__version__, 'torch': torch.__version__, "
-               "'gpu': torch.cuda.get_device_name(0), "
-               "'site': os.path.dirname(os.path.dirname(vllm.__file__))}))"])
-    if ver.returncode:
-        print(f"e2e.py: vLLM or a GPU is not available here: {ver.stderr.strip().splitlines()[-1:]}",
-              file=sys.stderr)
+    host = host_versions("e2e.py")
+    if host is None:
         return 2
-    host = json.loads(ver.stdout.strip().splitlines()[-1])
     summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")}
     summary["host"]["date"] = time.strftime("%Y-%m-%d")
     log(f"host: {summary['host']}")

@@ -191,15 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             failures.append(name)
 
-    ver = e2e.run([sys.executable, "-c", "import json, os, torch, vllm; print(json.dumps({"
-                   "'vllm': vllm.__version__, 'torch': torch.__version__, "
-                   "'gpu': torch.cuda.get_device_name(0), "
-                   "'site': os.path.dirname(os.path.dirname(vllm.__file__))}))"])
-    if ver.returncode:
-        print(f"first_start.py: vLLM or a GPU is not available here: {ver.stderr.strip().splitlines()[-1:]}",
-              file=sys.stderr)
+    host = e2e.host_versions("first_start.py")
+    if host is None:
         return 2
-    host = json.loads(ver.stdout.strip().splitlines()[-1])
     summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")}
     summary["host"]["date"] = time.strftime("%Y-%m-%d")
     models = e2e.build_models(a.work)
