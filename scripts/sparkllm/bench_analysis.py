@@ -114,8 +114,17 @@ def output_checks(stats: Sequence[Any], baseline: str, pair_runs: Any) -> list[d
     return checks
 
 
+def _config_key(m: Any) -> tuple[str, str | None]:
+    """The configuration a row measures, whatever its load point (concurrency, rate, depth)."""
+    return (m.base_label, getattr(m, "config_hash", None))
+
+
 def eligible(stats: Sequence[Any]) -> list[Any]:
-    return [m for m in stats if not getattr(m, "differs", False) and m.decode["median"] is not None]
+    """Rows that may be recommended: a configuration whose outputs differ from the baseline's at any
+    load point is out at every load point (batch-dependent garbling shows under load first, and the
+    configuration left serving would meet that load)."""
+    bad = {_config_key(m) for m in stats if getattr(m, "differs", False)}
+    return [m for m in stats if _config_key(m) not in bad and m.decode["median"] is not None]
 
 
 def is_rate(m: Any) -> bool:
@@ -167,7 +176,8 @@ def _interval(m: Any) -> str:
 def recommendation_lines(stats: Sequence[Any]) -> list[str]:
     lines = ["## Recommendation", ""]
     levels = sorted({ctx(m).get("concurrency") or 1 for m in stats if not is_rate(m)})
-    excluded = [m.label for m in stats if getattr(m, "differs", False)]
+    bad = {_config_key(m) for m in stats if getattr(m, "differs", False)}
+    excluded = sorted({m.base_label for m in stats if _config_key(m) in bad})
     if not eligible(stats):
         lines.append("No configuration can be recommended: no valid run whose outputs match the baseline.")
     for c in levels:

@@ -57,6 +57,37 @@ def _store(tmp: Path, runs: list[tuple[str, Config, int]]) -> Path:
     return store
 
 
+def test_a_configuration_garbled_only_under_load_is_out_at_every_level(tmp_path: Path) -> None:
+    """Right alone, wrong when batched (the GB10 spec-decode + CUDA-graph failure): its single-stream rows
+    match the baseline, yet it must not be recommended (nor left serving) at any level."""
+    base = Config(model="m", step_time=0.01)
+    good = Config(model="m", step_time=0.01, spec=True, method="mtp", k=2, pattern=(1,))
+    bad = Config(model="m", step_time=0.003, spec=True, method="dflash", k=2, pattern=(2,),
+                 garble_under_load=True)
+    store = tmp_path / "store"
+    plan = [("baseline", base, 1, 1), ("baseline", base, 1, 2), ("baseline", base, 2, 1),
+            ("mtp-k2", good, 1, 1), ("mtp-k2", good, 2, 1),
+            ("dflash-k2", bad, 1, 1), ("dflash-k2", bad, 2, 1)]
+    for i, (label, cfg, conc, rep) in enumerate(plan):
+        (tmp_path / f"r{i}").mkdir()
+        doc, _ = run_against(cfg, tmp_path / f"r{i}", label=label, max_tokens=12, concurrency=conc,
+                             meta={"repetition": rep, "method": label.split("-")[0], "concurrency": conc})
+        conn = bench_store.open_store(store)
+        bench_store.store_run(conn, doc)
+        conn.close()
+    path, stats = bench_report.make_report(store, charts=False)
+    rows = {m.label: m for m in stats}
+    one, two = rows["dflash-k2 c=1"], rows["dflash-k2 c=2"]
+    assert not one.differs and one.outputs["identical_share"] == 1.0  # alone it is right...
+    assert two.differs  # ...batched it is not
+    assert one.decode["median"] > rows["mtp-k2 c=1"].decode["median"]  # and it is the fastest alone
+    assert bench_analysis.best_row(stats, 1).label == "mtp-k2 c=1"
+    assert bench_analysis.best_row(stats, 2).label == "mtp-k2 c=2"
+    rec = path.read_text().split("## Recommendation")[1].split("\n## ")[0]
+    assert "**Single stream**: `mtp-k2 c=1`" in rec
+    assert "outputs differ" in rec and "`dflash-k2`" in rec
+
+
 def test_fast_garbled_method_is_flagged_and_never_best(tmp_path: Path) -> None:
     base = Config(model="m", step_time=0.01)
     good = Config(model="m", step_time=0.01, spec=True, method="mtp", k=2, pattern=(1,))
