@@ -2,8 +2,9 @@
 FlashInfer's prebuilt kernels (which of its packages carry SM12x code).
 
 - ``flashinfer-python`` of each variant's toolchain (data/flashinfer_packages.json ``wheels``: url and sha256
-  from PyPI's simple index) is downloaded into .cache/flashinfer-wheels/ (7-15 MB each) and the files the
-  AOT contract reads are extracted into .cache/flashinfer-src/<version>/ together with the wheel's name list.
+  from PyPI's simple index) is downloaded into the machine cache (~/.cache/sparkllm/flashinfer-wheels/,
+  7-15 MB each) and the files the AOT contract reads are extracted into .cache/flashinfer-src/<version>/
+  together with the wheel's name list.
   tests/contract/setup_vllm_env.sh runs this (a second run only checks the stamps).
 - ``--listing --cuobjdump PATH`` (by hand, not in CI) rewrites the ``evidence`` of that file: for each
   flashinfer-cubin release our toolchains pin, the SASS architectures of its cubins (every cubin's name;
@@ -37,7 +38,8 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))
 from sparkllm.fileio import write_json_atomic  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_sources import fetch_pinned  # noqa: E402  (one pinned download for the sdists and these wheels)
+# one pinned download for the sdists and these wheels
+from vllm_sources import MACHINE_CACHE, fetch_pinned  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "flashinfer_packages.json"
 CACHE = ROOT / ".cache"
@@ -54,7 +56,7 @@ def pins() -> dict:
 
 def wheel(version: str) -> Path:
     pin = pins()["wheels"][version]
-    return fetch_pinned(pin["url"], pin["sha256"], CACHE / "flashinfer-wheels", DATA.name)
+    return fetch_pinned(pin["url"], pin["sha256"], MACHINE_CACHE / "flashinfer-wheels", DATA.name)
 
 
 def package_tree(version: str) -> Path:

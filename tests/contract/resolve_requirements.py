@@ -23,10 +23,10 @@ itself for a foreign target, done here:
 
 PyPI serves no PEP 658 metadata for these wheels, so pip's lazy wheels (``--use-feature=fast-deps``: HTTP
 range requests of each wheel's METADATA) keep a resolution at a few MB instead of GBs. The result (resolved
-or not, with pip's error; a run that could not reach an index is reported and not cached) is cached in
-.cache/pip-resolve/ under the sha256 of every input: the requirement lines, the constraints, pip's version,
-the target, the index mode, this file. A second run costs nothing; ``--refresh``
-asks PyPI again.
+or not, with pip's error; a run that could not reach an index is reported and not cached) is cached per
+machine (vllm_sources.MACHINE_CACHE: ~/.cache/sparkllm/pip-resolve, so a fresh clone reuses it) under the
+sha256 of every input: the requirement lines, the constraints, pip's version, the target, the index mode,
+this file. A second run costs nothing; ``--refresh`` asks PyPI again.
 
 torch, torchvision and torchaudio come from the PyTorch index (``vllm_build_torch_index_url``, the
 Dockerfile's PIP_EXTRA_INDEX_URL; the ``+cu130`` builds are only there). When that index is reachable it is
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_sources  # noqa: E402
 from sparkllm.fileio import write_json_atomic  # noqa: E402
 
-CACHE = ROOT / ".cache" / "pip-resolve"
+CACHE = vllm_sources.MACHINE_CACHE / "pip-resolve"  # per machine: keyed by the sha256 of every input
 METHODS = ROOT / "group_vars" / "all" / "methods.yml"
 DEFAULTS = ROOT / "roles" / "vllm_build" / "defaults" / "main.yml"
 PYPI = "https://pypi.org/simple"
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("variants", nargs="*", help="variants of spark_vllm_variants (default: all)")
     p.add_argument("--refresh", action="store_true",
-                   help="ask PyPI again instead of using .cache/pip-resolve")
+                   help="ask PyPI again instead of using the cached resolution")
     args = p.parse_args(argv)
     known = variants()
     unknown = [v for v in args.variants if v not in known]

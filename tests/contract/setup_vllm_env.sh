@@ -22,9 +22,25 @@
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-venv="${1:-${repo_root}/.venv-vllm}"
+default_venv="${repo_root}/.venv-vllm"
+venv="${1:-${default_venv}}"
 python="${PYTHON:-python3.11}"
 vllm_version="${VLLM_VERSION:-0.19.1}"
+contract_pins="pytest==8.4.2 safetensors==0.7.0 numpy pyyaml==6.0.3"
+# Per-machine cache (tests/contract/vllm_sources.py MACHINE_CACHE): pinned downloads, pip's resolutions, and
+# the contract venv itself (~11 GB, minutes to install): the default .venv-vllm is a link to a venv there,
+# named by the sha256 of what it is made of, so a fresh clone (CI) links the one already installed.
+machine_cache="${SPARKLLM_MACHINE_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/sparkllm}"
+if [ "${venv}" = "${default_venv}" ] && [ ! -e "${venv}" ] && [ ! -L "${venv}" ]; then
+  key=$(printf '%s\n' "vllm==${vllm_version}" "${contract_pins}" "$("${python}" -c 'import sys; print(sys.version)')" \
+        | sha256sum | cut -c1-16)
+  shared="${machine_cache}/venv-vllm-${vllm_version}-${key}"
+  mkdir -p "${machine_cache}"
+  ln -s "${shared}" "${venv}"
+  echo "setup_vllm_env: ${venv} -> ${shared} (per-machine venv)"
+fi
+# the directory the venv really is (the link's target, created below when it does not exist yet)
+venv_dir="$(readlink -f "${venv}" 2>/dev/null || echo "${venv}")"
 # 0.20.0: the hybrid patch of patches/vllm-0.20.0; 0.26.0: the dflash variant's serve arguments
 overlay_versions="${VLLM_OVERLAY_VERSIONS-0.20.0 0.26.0}"
 cache="${repo_root}/.cache"
@@ -43,13 +59,13 @@ if [ -x "${venv}/bin/python" ] && probe; then
   echo "setup_vllm_env: ${venv} already has vllm ${vllm_version}"
 else
   if [ ! -x "${venv}/bin/python" ]; then
-    echo "setup_vllm_env: creating ${venv} with ${python}"
-    "${python}" -m venv "${venv}"
+    echo "setup_vllm_env: creating ${venv_dir} with ${python}"
+    "${python}" -m venv "${venv_dir}"
   fi
   "${venv}/bin/python" -m pip install --quiet --upgrade pip
   echo "setup_vllm_env: installing vllm==${vllm_version} (about 11 GB, several minutes)"
-  "${venv}/bin/python" -m pip install --progress-bar off \
-    "vllm==${vllm_version}" pytest==8.4.2 safetensors==0.7.0 numpy pyyaml==6.0.3
+  # shellcheck disable=SC2086  # contract_pins: one requirement per word
+  "${venv}/bin/python" -m pip install --progress-bar off "vllm==${vllm_version}" ${contract_pins}
   if ! probe; then
     echo "setup_vllm_env: ${venv} still does not import vllm ${vllm_version}; see the pip output above" >&2
     exit 1
@@ -62,7 +78,7 @@ for dflash_version in ${overlay_versions}; do
     echo "setup_vllm_env: ${overlay} already present"
   else
     echo "setup_vllm_env: fetching the vllm ${dflash_version} wheel (no dependencies) for the dflash contract"
-    wheels="${cache}/vllm-wheels"
+    wheels="${machine_cache}/vllm-wheels"  # kept: a fresh clone extracts again without downloading
     mkdir -p "${wheels}"
     "${venv}/bin/python" -m pip download --quiet --no-deps --only-binary=:all: \
       -d "${wheels}" "vllm==${dflash_version}"
@@ -78,7 +94,6 @@ PY
     touch "${tmp}/.complete"
     rm -rf "${overlay}"
     mv "${tmp}" "${overlay}"
-    rm -f "${wheels}"/vllm-"${dflash_version}"-*.whl
   fi
 done
 # 3. CMake from PyPI (tests/contract/test_build_arch_contract.py runs vLLM's own arch selection in `cmake -P`)
@@ -100,4 +115,4 @@ fi
 #    reads of each wheel's METADATA), then cached in .cache/pip-resolve/ by the sha256 of every input.
 "${venv}/bin/python" "${repo_root}/tests/contract/resolve_requirements.py"
 
-echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}" | cut -f1)"
+echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}/" | cut -f1)"

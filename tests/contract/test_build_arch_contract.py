@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import re
 import shutil
@@ -61,7 +62,8 @@ def _flags() -> str:
 def _table(version: str, patches: tuple[str, ...]) -> dict:
     src = vllm_sources.source_tree(version)
     if patches:
-        tmp = ROOT / ".cache" / "vllm-src-patched" / f"{version}-{abs(hash(patches))}"
+        digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in patches)).hexdigest()[:16]
+        tmp = ROOT / ".cache" / "vllm-src-patched" / f"{version}-{digest}"  # stable name: reruns reuse it
         if tmp.exists():
             shutil.rmtree(tmp)
         shutil.copytree(src, tmp)
@@ -85,12 +87,13 @@ def _listing(libs: dict) -> str:
     """An arch-check listing (cuobjdump --list-elf + marlin counts, as roles/vllm_build) of a wheel."""
     out = []
     for path, lib in libs.items():
-        if not re.fullmatch(r"(_C|_moe_C).*\.so", path.rsplit("/", 1)[-1]):
-            continue  # the check lists _C*/_moe_C* only (roles/vllm_build vllm_build_check_arch_cmd)
+        if not re.fullmatch(r"(_C|_moe_C|_vllm_fa2_C).*\.so", path.rsplit("/", 1)[-1]):
+            continue  # what the check lists (roles/vllm_build vllm_build_check_arch_cmd)
         out.append(f"== /opt/venv/lib/python3.12/site-packages/{path}")
         out += [f"ELF file {i}: x.{a}.cubin" for i, a in enumerate(sorted(lib["sass"]), 1)]
         if lib.get("marlin_sm12x_sass", 0) or lib.get("marlin_ptx_only_on_sm12x", 0):
             out.append(f"marlin: sm12x-sass={lib['marlin_sm12x_sass']} ptx={lib['marlin_ptx_only_on_sm12x']}")
+        out.append("ptx: " + " ".join(sorted(lib.get("ptx", {}))))
     return "\n".join(out) + "\n"
 
 

@@ -3,8 +3,9 @@ constraints file, by pip's own resolver (dry run, binary wheels only, the target
 environment; tests/contract/resolve_requirements.py). A missing aarch64 wheel or a conflict fails here, not
 on a Spark an hour into a build.
 
-The results are cached under .cache/pip-resolve/ by the sha256 of every input (setup_vllm_env.sh fills the
-cache); a cold run asks PyPI (HTTP range reads of each wheel's METADATA, about a minute per set).
+The results are cached per machine (~/.cache/sparkllm/pip-resolve/) by the sha256 of every input
+(setup_vllm_env.sh fills the cache); a cold run asks PyPI (HTTP range reads of each wheel's METADATA,
+about a minute per set).
 """
 
 from __future__ import annotations

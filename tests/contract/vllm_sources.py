@@ -1,8 +1,9 @@
 """The source distributions of the vLLM releases we build, fetched once and pinned by sha256.
 
 Each variant's sdist (vllm-<version>.tar.gz on PyPI; url and sha256 from PyPI's simple index JSON API,
-recorded in tests/contract/data/vllm_sdists.json) is downloaded into .cache/vllm-sdist/ and only the
-files the build contract reads are extracted into .cache/vllm-src/<version>/ (CMakeLists.txt, cmake/,
+recorded in tests/contract/data/vllm_sdists.json) is downloaded into the machine cache
+(~/.cache/sparkllm/vllm-sdist/) and only the files the build contract reads are extracted into
+.cache/vllm-src/<version>/ (CMakeLists.txt, cmake/,
 requirements/, setup.py, use_existing_torch.py, pyproject.toml, tools/build_rust.py and the Marlin
 sources whose arch guards we cite). A second call finds both and does nothing. Standard library only:
 tests/contract/setup_vllm_env.sh runs it as `python tests/contract/vllm_sources.py` (exit 0 done,
@@ -26,6 +27,11 @@ from sparkllm.fileio import sha256_file  # noqa: E402  (the project's one sha256
 
 PINS = Path(__file__).resolve().parent / "data" / "vllm_sdists.json"
 CACHE = ROOT / ".cache"
+# Downloads pinned by sha256 (sdists, wheels) and results keyed by the sha256 of their inputs (pip's
+# resolution) outlive a checkout: they are kept per machine, so a fresh clone (CI) does not fetch them again.
+# SPARKLLM_MACHINE_CACHE moves it; tests/contract/setup_vllm_env.sh keeps the contract venv there too.
+MACHINE_CACHE = Path(os.environ.get("SPARKLLM_MACHINE_CACHE")
+                     or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparkllm")
 # prefixes (inside vllm-<version>/) the contract reads
 MEMBERS = ("CMakeLists.txt", "cmake/", "requirements/", "setup.py", "use_existing_torch.py",
            "pyproject.toml", "tools/build_rust.py", "csrc/quantization/marlin/",
@@ -60,9 +66,9 @@ def fetch_pinned(url: str, sha256: str, dest_dir: Path, pins_name: str) -> Path:
 
 
 def sdist(version: str) -> Path:
-    """The pinned sdist of ``version`` in .cache/vllm-sdist (downloaded when missing or wrong)."""
+    """The pinned sdist of ``version`` in the machine cache (downloaded when missing or wrong)."""
     pin = pins()[version]
-    return fetch_pinned(pin["url"], pin["sha256"], CACHE / "vllm-sdist", PINS.name)
+    return fetch_pinned(pin["url"], pin["sha256"], MACHINE_CACHE / "vllm-sdist", PINS.name)
 
 
 def source_tree(version: str) -> Path:
