@@ -79,7 +79,10 @@ def test_fact_records_both_variants_and_their_checks(host):
     assert re.fullmatch(r"[0-9a-f]{64}", built["patch_hash"])
     assert built["checks"]["torch_cuda"] == "13.0"
     assert "sm_121a" in built["checks"]["archs"]
-    assert built["checks"]["extensions"] == ["_C.abi3.so", "_moe_C.abi3.so"]
+    assert built["checks"]["extensions"] == ["_C.abi3.so", "_moe_C.abi3.so", "_vllm_fa2_C.abi3.so"]
+    # FlashAttention 2 carries only sm_80 + compute_80 PTX (as upstream builds it): named, and accepted
+    # because the variant's gpu_code says so (ptx_only_accepted)
+    assert built["checks"]["ptx_only"] == ["_vllm_fa2_C.abi3.so"]
     assert built["checks"]["vllm_version"] == "0.19.1"
     pulled = fact["variants"]["v0_26_dflash"]
     assert pulled["source"] == "pull"
@@ -249,6 +252,31 @@ def test_changed_patch_rebuilds_under_a_new_tag_and_back_without_rebuild(host):
     host.run("docker image rm %s", new["image"])
 
 
+def test_a_patch_edit_rebuilt_with_other_memory_keeps_the_compile_cached(host):
+    """A patch edit rebuilt while memory or cores give another MAX_JOBS (a server running beside the build):
+    the compile's inputs are unchanged, so the role keeps the parallelism of the build that compiled them and
+    the compile stage comes from the layer cache (a new MAX_JOBS would compile vLLM again for an hour)."""
+    old = _fact(host)["variants"]["v0_19_1"]
+    jobs = old["jobs"]
+    # knobs that make memory and cores give another value than the recorded one
+    knobs = ({"vllm_build_memory_reserve_gib": 0, "vllm_build_gib_per_job": 1} if jobs["processes"] == 1
+             else {"vllm_build_gib_per_job": 100000})
+    res = _build({**_with_patch_dir("good-v2"), **knobs})
+    assert res.rc == 0, res.output[-3000:]
+    new = _fact(host)["variants"]["v0_19_1"]
+    assert new["image"] != old["image"] and new["compile_hash"] == old["compile_hash"]
+    kept = f"keeping MAX_JOBS={jobs['max_jobs']} of the build that compiled these sources"
+    assert kept in _flat(res.output)
+    assert new["jobs"] == jobs
+    text = host.file(LOG).content_string
+    assert "apply_patches.sh" in text  # the patched stage ran, the compile did not:
+    assert not re.search(r"stand-in compile: MAX_JOBS=\d", text), "the compile ran again"
+    assert re.fullmatch(r"[0-9a-f]{64}", new["compile_hash"])
+    res = _build()
+    assert res.rc == 0 and "not rebuilding" in res.output, res.output[-3000:]
+    host.run("docker image rm %s", new["image"])
+
+
 def test_variant_without_the_hybrid_patch_is_refused(host):
     """dflash built from source (not pulled) with its variant pointed at a vLLM version that has no
     patches/vllm-<version> series (0.99.0, made up): the build refuses before building anything and
@@ -390,7 +418,12 @@ def test_a_failed_compile_keeps_its_whole_log_and_shows_its_real_tail(host, buil
                                            flags=re.M)]
     if buildkit:  # the compile's own file: every line, in order
         assert numbered == list(range(1, lines + 1))
-    else:  # the legacy builder relays stdout and stderr (the tail) as two streams: all lines, any order
-        assert sorted(set(numbered)) == list(range(1, lines + 1))
+    else:
+        # The legacy builder relays stdout and stderr (the tail) as two streams, chunk by chunk: every line
+        # is there, but where a chunk of the stderr tail lands inside a stdout line that line's number
+        # cannot be read back (seen in CI: one line of 40,000). Every other line must be found.
+        unread = set(range(1, lines + 1)) - set(numbered)
+        assert len(unread) <= 3, sorted(unread)[:20]
+        assert lines in numbered and set(numbered) <= set(range(1, lines + 1))
     assert "stand-in compile error: the real last line" in text
     assert host.file(FACT).content_string == fact_before
