@@ -213,3 +213,66 @@ def test_marlin_ptx_only_without_acceptance_fails_naming_the_kernel():
     lib.update(marlin_sm12x_sass=0, marlin_ptx_only_on_sm12x=731)
     judged = spark_gpu_code_judge(_listing({"vllm/_C.abi3.so": lib}), {"sass": "sm_120"})
     assert any("Marlin" in p and "_C.abi3.so" in p for p in judged["problems"]), judged
+
+
+README = ROOT / "roles" / "vllm_build" / "README.md"
+ARCH_TOKEN = re.compile(r"\b(?:sm|compute)_\d+[af]?\b")
+
+
+def _readme_table() -> list[list[str]]:
+    """The rows (cells) of the first table under "## GPU code per variant" in the role's README."""
+    section = README.read_text().split("## GPU code per variant", 1)[1]
+    rows, seen = [], False
+    for line in section.splitlines():
+        if line.startswith("|"):
+            seen = True
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not set("".join(cells)) <= set("-: "):
+                rows.append(cells)
+        elif seen:
+            break
+    return rows[1:]  # without the header
+
+
+def _cell(text: str) -> tuple[str, set[str], str | None]:
+    """(kind, architectures, CMakeLists.txt line) of a README cell or of a computed ``gb10`` value."""
+    kind = "SASS" if text.startswith("SASS") else "PTX only" if text.startswith("PTX only") else text
+    line = re.search(r"\(:(\d+)", text)
+    return kind, set(ARCH_TOKEN.findall(text)), line.group(1) if line else None
+
+
+def test_the_readme_table_is_what_the_release_cmake_makes():
+    """Every CMake-derived row of roles/vllm_build/README.md "GPU code per variant" equals what vLLM's own
+    CMake selection gives (0.19.1 as released, 0.19.1 with the Marlin build patch, 0.26.0), line numbers
+    included; every kernel family we track has its row."""
+    computed = [_table("0.19.1", ()), _table("0.19.1", _patches(VARIANTS["v0_19_1"])), _table("0.26.0", ())]
+    by_var = {var: fam for fam, (var, _) in arch.FAMILIES.items()}
+    rows = _readme_table()
+    covered = set()
+    for cells in rows:
+        var = next((v for v in re.findall(r"`([A-Z0-9_]+)`", cells[0]) if v in by_var), None)
+        if var is None:
+            continue
+        fam = by_var[var]
+        covered.add(var)
+        prev = None
+        for col, table in zip(cells[1:4], computed, strict=True):
+            want = table[fam]
+            got = prev if col == "same" else _cell(col)
+            kind, archs, line = _cell(want["gb10"])
+            assert got[0] == kind and got[1] == archs, (cells[0], col, want)
+            if col != "same" and got[2] is not None:
+                assert got[2] == want["line"], (cells[0], col, want)
+            prev = (got[0], got[1], None)
+    assert covered == set(by_var), f"families without a README row: {set(by_var) - covered}"
+
+
+def test_the_readme_fa2_row_is_the_wheel_listing_and_the_variants_accept_it():
+    (fa2,) = [c for c in _readme_table() if "_vllm_fa2_C" in c[0]]
+    lib = WHEELS["0.26.0"]["libraries"]["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"]
+    assert not [a for a in lib["sass"] if a.startswith("sm_12")]  # no GB10 SASS in the wheel...
+    kind, archs, _ = _cell(fa2[3])
+    assert kind == "PTX only" and archs == set(lib["ptx"]) == {"compute_80"}  # ...only compute_80 PTX
+    for variant, conf in VARIANTS.items():
+        for mode in ("source", "wheel"):
+            assert "_vllm_fa2_C" in conf["gpu_code"][mode].get("ptx_only_accepted", []), (variant, mode)
