@@ -85,6 +85,31 @@ def test_a_budget_below_the_silent_profile_run_would_have_stalled_the_real_start
             assert all(p == "compile" for p, s in stalled if s)
 
 
+CUT_LOGS = sorted((ROOT / "tests" / "fixtures" / "vllm_logs").glob("*.txt"))
+ORDER = ["start", "engine", "weights", "compile", "kv_cache", "cuda_graphs", "api"]
+
+
+@pytest.mark.parametrize("path", CUT_LOGS, ids=[p.stem for p in CUT_LOGS])
+def test_every_real_cut_start_log_walks_the_phases_in_order_to_ready(path):
+    """The real starts of the GPU host (vLLM 0.20.0, H200: eager, CUDA graphs, FlashInfer, fastsafetensors,
+    EAGLE-3, first and second starts; tests/fixtures/vllm_logs) through the shipped readiness tracker: every
+    phase in start order, CUDA-graph capture seen exactly when the argv has no --enforce-eager, ready at the
+    API lines, never taken for a restart."""
+    assert len(CUT_LOGS) >= 10
+    lines = [(ts, line) for ts, line in _timed(path) if not line.startswith("#")]
+    argv = path.read_text().splitlines()[1]
+    assert argv.startswith("# argv: vllm serve ")
+    tr = Tracker(lines[0][0], keep=5)
+    for ts, line in lines:
+        tr.feed(line, ts)
+    tr.finish(lines[-1][0])
+    phases = [h["phase"] for h in tr.history]
+    assert phases == [p for p in ORDER if p in phases], phases
+    assert {"engine", "weights", "compile", "kv_cache", "api"} <= set(phases)
+    assert ("cuda_graphs" in phases) is ("--enforce-eager" not in argv.split())
+    assert tr.phase == "ready" and not tr.restarted
+
+
 CUDA_GRAPH_LINES = [  # the format strings of the phases the eager logs lack (sources cited in serve_phases)
     ("Dynamo bytecode transform time: 12.30 s", "compile"),
     ("Compiling a graph for compile range (1, 8192) takes 41.02 s", "compile"),
