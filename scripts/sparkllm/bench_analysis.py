@@ -5,7 +5,9 @@
   baseline run it is paired with: the share of identical outputs and the median share of the agreeing
   prefix (common leading characters / the longer text). The floor is the same comparison between two
   baseline runs of the same context (batch-dependent numerics make bit-equality not guaranteed). A row
-  more than ``DIFFER_MARGIN`` below the floor on either figure is marked "outputs differ from baseline";
+  below the floor by more than its margin on either figure is marked "outputs differ from baseline"; the
+  margin is ``DIFFER_MARGIN`` of the floor, at least ``DIFFER_MARGIN_MIN`` (0.25 at a floor of 1.0; 0.1 at
+  a floor of 0.25, where an absolute 0.25 would let a method that matches no prompt at all pass);
   with no second baseline run the floor is taken as 1.0 (identical) and the report says so. Runs sampled
   with temperature > 0 are not compared.
 - **The recommendation.** Among rows of valid runs whose outputs do not differ: the best single-stream
@@ -28,6 +30,12 @@ from typing import Any
 from sparkllm.bench_common import fmt
 
 DIFFER_MARGIN = 0.25
+DIFFER_MARGIN_MIN = 0.1
+
+
+def below_floor(value: float, floor: float) -> bool:
+    """True when ``value`` is below ``floor`` by more than the margin (relative, with a minimum)."""
+    return value < floor - max(DIFFER_MARGIN_MIN, DIFFER_MARGIN * floor)
 OUTPUTS_DIFFER = "outputs differ from baseline"
 
 
@@ -102,7 +110,7 @@ def output_checks(stats: Sequence[Any], baseline: str, pair_runs: Any) -> list[d
         f_pre = floor["median_prefix_share"] if floor else 1.0
         ident = statistics.fmean(c["identical_share"] for *_, c in per_run)
         pre = statistics.fmean(c["median_prefix_share"] for *_, c in per_run)
-        differs = ident < f_id - DIFFER_MARGIN or pre < f_pre - DIFFER_MARGIN
+        differs = below_floor(ident, f_id) or below_floor(pre, f_pre)
         m.outputs = {"compared": sum(c["compared"] for *_, c in per_run), "identical_share": ident,
                      "median_prefix_share": pre, "floor_identical_share": f_id if floor else None,
                      "floor_median_prefix_share": f_pre if floor else None, "differs": differs}

@@ -88,6 +88,27 @@ def test_a_configuration_garbled_only_under_load_is_out_at_every_level(tmp_path:
     assert "outputs differ" in rec and "`dflash-k2`" in rec
 
 
+def test_a_noise_floor_below_one_keeps_a_method_at_the_floor_and_flags_one_below_it(tmp_path: Path) -> None:
+    """Batch numerics on a real GPU: two baseline runs do not agree on every prompt. The stand-in leaves the
+    greedy text on 40 % of prompts per server (which ones: its noise seed). A method with the same numerics
+    sits at the floor and is kept; one that garbles every prompt falls below it and is flagged."""
+    def cfg(noise_seed: int, **kw) -> Config:
+        return Config(model="m", **{"step_time": 0.01, **kw}, numeric_noise=0.4, noise_seed=noise_seed)
+
+    store = _store(tmp_path, [("baseline", cfg(1), 1), ("baseline", cfg(2), 2),
+                              ("mtp-k2", cfg(3, spec=True, method="mtp", k=2, pattern=(1,)), 1),
+                              ("dflash-k2", cfg(4, step_time=0.003, spec=True, method="dflash", k=2,
+                                                pattern=(2,), garble=True), 1)])
+    _, stats = bench_report.make_report(store, charts=False)
+    rows = {m.label: m for m in stats}
+    mtp, dflash = rows["mtp-k2"].outputs, rows["dflash-k2"].outputs
+    floor = mtp["floor_identical_share"]
+    assert 0.1 < floor < 0.9  # the two baselines disagree on some prompts, agree on others
+    assert not mtp["differs"] and abs(mtp["identical_share"] - floor) <= 0.3  # at the floor: kept
+    assert dflash["differs"] and dflash["identical_share"] == 0.0  # below it: flagged
+    assert bench_analysis.best_row(stats, 1).label == "mtp-k2"
+
+
 def test_fast_garbled_method_is_flagged_and_never_best(tmp_path: Path) -> None:
     base = Config(model="m", step_time=0.01)
     good = Config(model="m", step_time=0.01, spec=True, method="mtp", k=2, pattern=(1,))
