@@ -83,3 +83,35 @@ def test_a_start_after_the_give_up_resets_the_rate_limit(bed, capsys) -> None:
     assert _calls(calls)[-1] == "restart --no-block u.service"
     assert "restart count reset" in capsys.readouterr().out
     assert not json.loads((tmp / "st.json").read_text())["gave_up"]
+
+
+def test_the_one_token_completion_catches_an_engine_stuck_behind_a_healthy_api(bed, tmp_path, monkeypatch,
+                                                                              capsys) -> None:
+    """vLLM's API server can answer /health while its engine hangs: --completion-model asks for one token,
+    and that probe (not /health) finds it. A wrong model name is a failure too (vLLM answers 404)."""
+    tmp, wedge, calls, fake, srv = bed
+    engine_wedge = tmp_path / "engine-wedge"
+    monkeypatch.setenv("STANDIN_ENGINE_WEDGE_FILE", str(engine_wedge))
+    plain = _args(tmp, fake, srv)
+    probing = _args(tmp, fake, srv, "--completion-model", "m")
+    assert wd.probe(probing) == ""  # healthy: /health 200 and one token
+    assert wd.probe(_args(tmp, fake, srv, "--completion-model", "other")) == "HTTP 404"
+    engine_wedge.touch()
+    try:
+        assert wd.probe(plain) == ""  # /health alone sees nothing wrong...
+        assert wd.probe(probing).startswith("no answer")  # ...the completion times out
+        assert wd.run(probing) == 0 and wd.run(probing) == 0
+        assert _calls(calls) == ["restart --no-block u.service"]
+    finally:
+        engine_wedge.unlink()
+
+
+def test_the_completion_probe_sends_the_api_key(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    with StandinServer(Config(model="m", api_key="s3cret")) as srv:
+        base = ["--unit", "u.service", "--url", srv.base_url, "--state", str(tmp_path / "st.json"),
+                "--timeout", "2", "--completion-model", "m"]
+        assert wd.probe(wd.parse_args(base)) == "HTTP 401"  # vLLM refuses /v1/* without the key
+        assert wd.probe(wd.parse_args([*base, "--api-key-file", str(key)])) == ""
