@@ -79,6 +79,26 @@ def test_gb10_output_with_na_memory(tmp_path: Path, meminfo: Path) -> None:
     assert len(active) == 1
 
 
+# What a real nvidia-smi printed for the exporter's exact query (NVIDIA H200, driver 580.159.04, idle,
+# 2026-12-02, on the GPU host: `nvidia-smi --query-gpu=<exp.FIELDS> --format=csv,noheader,nounits`). Not a
+# GB10, but the same driver branch and field names: every field answered, the throttle bitmask in hex.
+H200_FIELDS = ("power.draw,temperature.gpu,clocks.sm,clocks.max.sm,utilization.gpu,memory.used,memory.total,"
+               "clocks_throttle_reasons.active")
+H200_LINE = "77.78, 41, 345, 1980, 0, 0, 143771, 0x0000000000000001"
+
+
+def test_a_real_nvidia_smi_answer_to_the_exporters_query(tmp_path: Path, meminfo: Path) -> None:
+    assert ",".join(exp.FIELDS) == H200_FIELDS  # the query that was run for real is still the exporter's
+    exe = fake_smi(tmp_path, f'[ "$1" = "--query-gpu={H200_FIELDS}" ] || exit 9\necho "{H200_LINE}"\n')
+    m = parse(exp.Collector(exe, meminfo).collect())
+    assert m['gb10_power_draw_watts{gpu="0"}'] == 77.78
+    assert m['gb10_sm_clock_hertz{gpu="0"}'] == 345e6 and m['gb10_sm_clock_max_hertz{gpu="0"}'] == 1980e6
+    assert m['gb10_nvml_memory_total_bytes{gpu="0"}'] == 143771 * 2**20  # MiB where NVML reports memory
+    assert m['gb10_clocks_throttle_reasons_bitmask{gpu="0"}'] == 1.0
+    active = [k for k, v in m.items() if k.startswith("gb10_clocks_throttle_reason_active") and v]
+    assert active == ['gb10_clocks_throttle_reason_active{gpu="0",reason="gpu_idle"}']
+
+
 def test_missing_nvidia_smi_still_answers_with_memory(meminfo: Path) -> None:
     text = exp.Collector(None, meminfo).collect()
     m = parse(text)
