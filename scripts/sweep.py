@@ -18,7 +18,9 @@ and K must lie in SPEC_TOKENS_RANGE); other methods use the catalogue's default 
 interleaved across repetitions (rep 1: every configuration, rep 2: every configuration, ...), so
 slow drifts (thermals, page cache) hit every method alike and the report can pair runs by
 repetition index.  Each cell drives ``site.yml`` through ansible-runner with tags
-``serve,bench`` and extravars ``spec_method``, ``spec_num_speculative_tokens``, ``bench_label``,
+``cluster,serve,bench`` (MEASURE_TAGS; the cluster stage ends at once on one Spark, and on several it
+gives the Ray units the new method's image and environment)
+and extravars ``spec_method``, ``spec_num_speculative_tokens``, ``bench_label``,
 ``bench_repetition``, ``bench_config_hash`` (plus ``bench_results_dir``, the controller results
 directory, and anything from ``--extra-vars``).
 
@@ -71,6 +73,12 @@ from sparkllm.cli import HelpFormatter
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETTINGS_DIR = REPO_ROOT / "group_vars" / "all"
 RUNNER_DIRNAME = "runner"  # ansible-runner artifacts of every cell, under the results directory
+# The stages a cell runs, and the ones that leave the best configuration serving. The cluster stage comes
+# with serve: on several Sparks the Ray head and workers run the method's vLLM image with the server's
+# environment (its server_env, the INT8 head), so a switch of method must re-render them; on one Spark the
+# stage ends at its first task.
+MEASURE_TAGS = "cluster,serve,bench"
+SERVE_TAGS = "cluster,serve"
 # the bench role's load-point lists: what a cell is measured at, not what is served (not in the hash)
 LOAD_POINT_VARS = ("bench_concurrency", "bench_request_rate", "bench_depth")
 
@@ -417,11 +425,11 @@ class Sweep:
     def cells(self) -> list[Cell]:
         return schedule(self.configs, self.repeats)
 
-    def request(self, cell: Cell, tags: str = "serve,bench", only: list[Point] | None = None) -> RunRequest:
+    def request(self, cell: Cell, tags: str = MEASURE_TAGS, only: list[Point] | None = None) -> RunRequest:
         """The runner call for a cell; ``only``: measure just these load points (a partly done cell)."""
         ident = f"{cell.config.label}-rep{cell.repetition}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         ev = cell.config.extravars(cell.repetition, self.results_dir)
-        if tags != "serve":
+        if "bench" in tags.split(","):
             ev.update(LoadPoints.of(only if only is not None else self.load.points))
             if only is not None and len(only) < len(self.load.points):
                 ev["bench_force"] = True  # the role's own lookup keys on hash + repetition only
@@ -477,7 +485,7 @@ class Sweep:
             res.best, res.best_decode_median = by_hash[top.config_hash], top.decode["median"]
 
     def leave_best(self, best: CellConfig) -> RunOutcome:
-        return self.runner(self.request(Cell(best, 0), tags="serve"))
+        return self.runner(self.request(Cell(best, 0), tags=SERVE_TAGS))
 
 
 def _ints(s: str) -> list[int]:

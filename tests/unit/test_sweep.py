@@ -25,7 +25,7 @@ class FakeRunner:
         if self.fail_on is not None and len(self.calls) == self.fail_on:
             raise KeyboardInterrupt  # the user interrupts the sweep
         ev = req.extravars
-        if req.tags == "serve,bench":
+        if req.tags == "cluster,serve,bench":
             label, rep = ev["bench_label"], ev["bench_repetition"]
             valid = (label, rep) not in self.invalid
             doc = fake_doc(label, rep, [SPEEDS[label] * (1 + 0.01 * rep)] * 3, valid=valid,
@@ -60,9 +60,9 @@ def test_interleaved_and_best(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert rc == 0
     labels = ["baseline", "ngram", "mtp-k1", "mtp-k2"]
     assert fake.order()[:-1] == [(lab, 1) for lab in labels] + [(lab, 2) for lab in labels]
-    assert all(c.tags == "serve,bench" and c.playbook == "site.yml" for c in fake.calls[:-1])
+    assert all(c.tags == "cluster,serve,bench" and c.playbook == "site.yml" for c in fake.calls[:-1])
     last = fake.calls[-1]
-    assert last.tags == "serve" and last.extravars["spec_method"] == "mtp"
+    assert last.tags == "cluster,serve" and last.extravars["spec_method"] == "mtp"
     assert last.extravars["spec_num_speculative_tokens"] == 2
     out = capsys.readouterr().out
     assert "best configuration: mtp-k2" in out

@@ -25,7 +25,7 @@ class LoadRunner:
     def __call__(self, req: sweep.RunRequest) -> sweep.RunOutcome:
         self.calls.append(req)
         ev = req.extravars
-        if req.tags != "serve,bench":
+        if req.tags != "cluster,serve,bench":
             return sweep.RunOutcome(True, "successful", 0)
         points = [(int(c), None) for c in ev["bench_concurrency"].split(",") if c] + \
                  [(None, float(r)) for r in ev["bench_request_rate"].split(",") if r]
@@ -50,7 +50,7 @@ class LoadRunner:
     def asked(self) -> list[tuple[str, str, str, bool]]:
         return [(c.extravars["bench_label"], c.extravars["bench_concurrency"],
                  c.extravars["bench_request_rate"], bool(c.extravars.get("bench_force")))
-                for c in self.calls if c.tags == "serve,bench"]
+                for c in self.calls if c.tags == "cluster,serve,bench"]
 
 
 def test_resume_runs_a_level_the_interrupted_cell_did_not(tmp_path: Path) -> None:
@@ -89,7 +89,7 @@ def test_optimise_rate_picks_the_best_goodput_and_leaves_it(tmp_path: Path,
                      "--leave-best"], runner=fake)
     assert rc == 0
     assert fake.asked() == [("baseline", "", "1,2", False), ("mtp-k2", "", "1,2", False)]
-    assert fake.calls[-1].tags == "serve" and fake.calls[-1].extravars["spec_method"] == "mtp"
+    assert fake.calls[-1].tags == "cluster,serve" and fake.calls[-1].extravars["spec_method"] == "mtp"
     assert "best configuration: mtp-k2" in capsys.readouterr().out
 
 
