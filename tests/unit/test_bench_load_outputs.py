@@ -37,6 +37,21 @@ def test_concurrency_list_one_run_per_level_and_known_slowdown(tmp_path: Path) -
     assert [m.label for m in stats] == ["baseline c=1", "baseline c=2"]
 
 
+def test_a_depth_beyond_the_served_maximum_is_a_usage_error_before_any_request(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM lists max_model_len in /v1/models: a depth whose prompt plus --max-tokens cannot fit is refused
+    (exit 2, naming the largest depth that fits) before a single request is sent."""
+    prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=1)
+    with StandinServer(Config(model="m", max_model_len=2048)) as srv:
+        rc = bench.main(["run", "--base-url", srv.base_url, "--model", "m", "--label", "deep",
+                         "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--max-tokens", "100",
+                         "--warmup", "0", "--quiet", "--depth", "512,2000"])
+        served = srv.engine.c.success
+    err = capsys.readouterr().err
+    assert rc == 2 and "--depth 2000" in err and "served maximum of 2048" in err and "up to 1948" in err
+    assert served == 0 and not list((tmp_path / "out").glob("*.json"))
+
+
 @pytest.mark.parametrize("bad", ["0", "1,x", "2,2"])
 def test_bad_concurrency_list_is_a_usage_error(tmp_path: Path, bad: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
