@@ -61,7 +61,7 @@ def spark_gpu_code_judge(listing: str, expect: Mapping[str, Any]) -> dict[str, A
         name = path.rsplit("/", 1)[-1]
         stem = name.split(".", 1)[0]
         files.append(name)
-        found = set(_ARCH.findall(body.split("\nptx:", 1)[0]))
+        found = set(_ARCH.findall(body))  # SASS (the ptx: line names compute_NN, never sm_NN)
         archs |= found
         p = _PTX.search(body)
         ptx = p.group(1).split() if p else []

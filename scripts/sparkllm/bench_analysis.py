@@ -31,12 +31,12 @@ from sparkllm.bench_common import fmt
 
 DIFFER_MARGIN = 0.25
 DIFFER_MARGIN_MIN = 0.1
+OUTPUTS_DIFFER = "outputs differ from baseline"
 
 
 def below_floor(value: float, floor: float) -> bool:
     """True when ``value`` is below ``floor`` by more than the margin (relative, with a minimum)."""
     return value < floor - max(DIFFER_MARGIN_MIN, DIFFER_MARGIN * floor)
-OUTPUTS_DIFFER = "outputs differ from baseline"
 
 
 def ctx(m: Any) -> dict[str, Any]:
@@ -127,11 +127,16 @@ def _config_key(m: Any) -> tuple[str, str | None]:
     return (m.base_label, getattr(m, "config_hash", None))
 
 
+def _differing(stats: Sequence[Any]) -> set[tuple[str, str | None]]:
+    """Configurations whose outputs differ from the baseline's at any load point."""
+    return {_config_key(m) for m in stats if getattr(m, "differs", False)}
+
+
 def eligible(stats: Sequence[Any]) -> list[Any]:
     """Rows that may be recommended: a configuration whose outputs differ from the baseline's at any
     load point is out at every load point (batch-dependent garbling shows under load first, and the
     configuration left serving would meet that load)."""
-    bad = {_config_key(m) for m in stats if getattr(m, "differs", False)}
+    bad = _differing(stats)
     return [m for m in stats if _config_key(m) not in bad and m.decode["median"] is not None]
 
 
@@ -184,7 +189,7 @@ def _interval(m: Any) -> str:
 def recommendation_lines(stats: Sequence[Any]) -> list[str]:
     lines = ["## Recommendation", ""]
     levels = sorted({ctx(m).get("concurrency") or 1 for m in stats if not is_rate(m)})
-    bad = {_config_key(m) for m in stats if getattr(m, "differs", False)}
+    bad = _differing(stats)
     excluded = sorted({m.base_label for m in stats if _config_key(m) in bad})
     if not eligible(stats):
         lines.append("No configuration can be recommended: no valid run whose outputs match the baseline.")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create the contract-test environment.
 #
-# 1. .venv-vllm: the real vLLM 0.19.1 from PyPI (+ pytest, safetensors, numpy, pyyaml).
+# 1. .venv-vllm: the real vLLM 0.19.1 from PyPI (+ pytest, safetensors, numpy, pyyaml); by default a link to
+#    a venv kept per machine (see machine_cache below).
 #    A fresh install downloads about 11 GB (vllm pins torch 2.10.0) and takes about 5 minutes.
 #    The machine-wide pip constraint (/etc/xdg/pip/constraints.txt, torch<=2.14.1) is compatible.
 # 2. .cache/vllm-<V>-py for V in 0.20.0 and 0.26.0: the pure-Python part of each wheel, downloaded
@@ -97,7 +98,7 @@ PY
   fi
 done
 # 3. CMake from PyPI (tests/contract/test_build_arch_contract.py runs vLLM's own arch selection in `cmake -P`)
-#    and the pinned sdist of every variant (data/vllm_sdists.json, sha256-checked; .cache/vllm-sdist, extracted
+#    and the pinned sdist of every variant (data/vllm_sdists.json, sha256-checked; ~/.cache/sparkllm/vllm-sdist, extracted
 #    to .cache/vllm-src/<V>): downloaded once, a rerun only checks the stamps.
 cmake_version="4.4.5"
 if "${venv}/bin/cmake" --version 2>/dev/null | grep -qx "cmake version ${cmake_version}"; then
@@ -112,7 +113,8 @@ fi
 "${venv}/bin/python" "${repo_root}/tests/contract/flashinfer_sources.py"
 # 5. pip's dry-run resolution of what each variant's image installs, for Linux aarch64 / CPython 3.12
 #    (tests/contract/resolve_requirements.py): about a minute per install set the first time (HTTP range
-#    reads of each wheel's METADATA), then cached in .cache/pip-resolve/ by the sha256 of every input.
+#    reads of each wheel's METADATA), then cached per machine (~/.cache/sparkllm/pip-resolve/) by the sha256
+#    of every input.
 "${venv}/bin/python" "${repo_root}/tests/contract/resolve_requirements.py"
 
 echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}/" | cut -f1)"
