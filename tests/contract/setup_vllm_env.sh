@@ -40,14 +40,17 @@ if [ "${venv}" = "${default_venv}" ] && [ ! -e "${venv}" ] && [ ! -L "${venv}" ]
   ln -s "${shared}" "${venv}"
   echo "setup_vllm_env: ${venv} -> ${shared} (per-machine venv)"
 fi
-# the directory the venv really is (the link's target, created below when it does not exist yet)
+# the directory the venv really is (the link's target, created below when it does not exist yet). Everything
+# runs through its own path, never through the link: pip writes the interpreter path it ran under into the
+# console scripts it installs, and a clone's .venv-vllm link dies with the clone.
 venv_dir="$(readlink -f "${venv}" 2>/dev/null || echo "${venv}")"
+py="${venv_dir}/bin/python"
 # 0.20.0: the hybrid patch of patches/vllm-0.20.0; 0.26.0: the dflash variant's serve arguments
 overlay_versions="${VLLM_OVERLAY_VERSIONS-0.20.0 0.26.0}"
 cache="${repo_root}/.cache"
 
 probe() {
-  "${venv}/bin/python" - "${vllm_version}" <<'PY' >/dev/null 2>&1
+  "${py}" - "${vllm_version}" <<'PY' >/dev/null 2>&1
 import sys
 from importlib.metadata import version
 assert version("vllm") == sys.argv[1]
@@ -56,17 +59,17 @@ PY
 }
 
 start=$(date +%s)
-if [ -x "${venv}/bin/python" ] && probe; then
+if [ -x "${py}" ] && probe; then
   echo "setup_vllm_env: ${venv} already has vllm ${vllm_version}"
 else
-  if [ ! -x "${venv}/bin/python" ]; then
+  if [ ! -x "${py}" ]; then
     echo "setup_vllm_env: creating ${venv_dir} with ${python}"
     "${python}" -m venv "${venv_dir}"
   fi
-  "${venv}/bin/python" -m pip install --quiet --upgrade pip
+  "${py}" -m pip install --quiet --upgrade pip
   echo "setup_vllm_env: installing vllm==${vllm_version} (about 11 GB, several minutes)"
   # shellcheck disable=SC2086  # contract_pins: one requirement per word
-  "${venv}/bin/python" -m pip install --progress-bar off "vllm==${vllm_version}" ${contract_pins}
+  "${py}" -m pip install --progress-bar off "vllm==${vllm_version}" ${contract_pins}
   if ! probe; then
     echo "setup_vllm_env: ${venv} still does not import vllm ${vllm_version}; see the pip output above" >&2
     exit 1
@@ -81,10 +84,10 @@ for dflash_version in ${overlay_versions}; do
     echo "setup_vllm_env: fetching the vllm ${dflash_version} wheel (no dependencies) for the dflash contract"
     wheels="${machine_cache}/vllm-wheels"  # kept: a fresh clone extracts again without downloading
     mkdir -p "${wheels}"
-    "${venv}/bin/python" -m pip download --quiet --no-deps --only-binary=:all: \
+    "${py}" -m pip download --quiet --no-deps --only-binary=:all: \
       -d "${wheels}" "vllm==${dflash_version}"
     tmp="$(mktemp -d "${cache}/vllm-overlay.XXXXXX")"
-    "${venv}/bin/python" - "${wheels}" "${dflash_version}" "${tmp}" <<'PY'
+    "${py}" - "${wheels}" "${dflash_version}" "${tmp}" <<'PY'
 import glob, sys, zipfile
 wheels, version, dest = sys.argv[1:]
 (wheel,) = glob.glob(f"{wheels}/vllm-{version}-*.whl")
@@ -101,20 +104,22 @@ done
 #    and the pinned sdist of every variant (data/vllm_sdists.json, sha256-checked; ~/.cache/sparkllm/vllm-sdist, extracted
 #    to .cache/vllm-src/<V>): downloaded once, a rerun only checks the stamps.
 cmake_version="4.4.5"
-if "${venv}/bin/cmake" --version 2>/dev/null | grep -qx "cmake version ${cmake_version}"; then
+# the binary inside the cmake wheel (what tests/contract/vllm_cmake_archs.py find_cmake runs), not bin/cmake
+cmake_bin() { "${py}" -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))' 2>/dev/null; }
+if "$(cmake_bin || echo false)" --version 2>/dev/null | grep -qx "cmake version ${cmake_version}"; then
   echo "setup_vllm_env: cmake ${cmake_version} already in ${venv}"
 else
   echo "setup_vllm_env: installing cmake==${cmake_version} into ${venv}"
-  "${venv}/bin/python" -m pip install --quiet --progress-bar off "cmake==${cmake_version}"
+  "${py}" -m pip install --quiet --progress-bar off "cmake==${cmake_version}"
 fi
-"${venv}/bin/python" "${repo_root}/tests/contract/vllm_sources.py"
+"${py}" "${repo_root}/tests/contract/vllm_sources.py"
 # 4. The flashinfer-python wheel of every variant (data/flashinfer_packages.json, sha256-checked; the AOT step's
 #    contract reads its aot.py, jit/ and file list from .cache/flashinfer-src/<V>): 8 + 15 MB, once.
-"${venv}/bin/python" "${repo_root}/tests/contract/flashinfer_sources.py"
+"${py}" "${repo_root}/tests/contract/flashinfer_sources.py"
 # 5. pip's dry-run resolution of what each variant's image installs, for Linux aarch64 / CPython 3.12
 #    (tests/contract/resolve_requirements.py): about a minute per install set the first time (HTTP range
 #    reads of each wheel's METADATA), then cached per machine (~/.cache/sparkllm/pip-resolve/) by the sha256
 #    of every input.
-"${venv}/bin/python" "${repo_root}/tests/contract/resolve_requirements.py"
+"${py}" "${repo_root}/tests/contract/resolve_requirements.py"
 
 echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}/" | cut -f1)"

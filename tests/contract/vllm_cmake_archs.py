@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,5 +186,15 @@ def family_table(sels: list[Selection]) -> dict[str, dict[str, str]]:
 
 
 def find_cmake() -> str | None:
-    exe = Path(sys.executable).parent / "cmake"
+    """The CMake binary of the `cmake` wheel in this interpreter, else the one on PATH.
+
+    The binary inside the package (cmake.CMAKE_BIN_DIR), not the venv's bin/cmake: that is a pip console
+    script whose shebang names the interpreter path pip ran under, which for a venv reached through a link
+    (the per-machine contract venv) can be a clone that no longer exists.
+    """
+    try:
+        import cmake  # the PyPI wheel tests/contract/setup_vllm_env.sh installs
+    except ImportError:
+        return shutil.which("cmake")
+    exe = Path(cmake.CMAKE_BIN_DIR) / "cmake"
     return str(exe) if exe.exists() else shutil.which("cmake")
