@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sparkllm.bench_common import fmt
+from sparkllm.bench_depth import FILLER_SHA256
 
 DIFFER_MARGIN = 0.25
 DIFFER_MARGIN_MIN = 0.1
@@ -260,6 +261,13 @@ def rate_table(stats: Sequence[Any], baseline: str) -> list[str]:
     return lines
 
 
+def _filler(sha: str | None) -> str:
+    """The depth filler of a row: the generated one, or the owner's text by the start of its sha256."""
+    if not sha or sha == FILLER_SHA256:
+        return "generated"
+    return f"own text {sha[:12]}"
+
+
 def _p(d: dict[str, Any] | None, nd: int = 2) -> str:
     d = d or {}
     return f"{fmt(d.get('median'), nd)} / {fmt(d.get('p95'), nd)} / {fmt(d.get('p99'), nd)}"
@@ -288,9 +296,11 @@ def tables(stats: Sequence[Any], baseline: str) -> list[str]:
     deep = [m for m in stats if ctx(m).get("input_depth")]
     if deep:
         lines += ["", "## Context depth (prompt tokens as the server counted them)", "",
-                  "| row | target depth | prompt tokens median | TTFT median s | prefill tok/s median "
-                  "| decode tok/s median | acceptance rate |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {m.label} | {ctx(m)['input_depth']} | {fmt(m.prompt_tokens, 0)} "
+                  "| row | target depth | filler | prompt tokens median | TTFT median s "
+                  "| prefill tok/s median | decode tok/s median | acceptance rate |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {m.label} | {ctx(m)['input_depth']} | {_filler(ctx(m).get('filler'))} "
+                  f"| {fmt(m.prompt_tokens, 0)} "
                   f"| {fmt(m.ttft['median'], 3)} "
                   f"| {fmt(m.prefill_tok_s, 0)} | {fmt(m.decode['median'])} | {fmt(m.acc_rate, 3)} |"
                   for m in deep]

@@ -44,7 +44,13 @@ from sparkllm.bench_common import (
     WorkFailed,
     fmt,
 )
-from sparkllm.bench_depth import DEFAULT_TOLERANCE, check_depths, served_max_len
+from sparkllm.bench_depth import (
+    DEFAULT_TOLERANCE,
+    check_depths,
+    check_text_covers,
+    load_filler,
+    served_max_len,
+)
 from sparkllm.bench_prompts import fetch_prompts, load_prompts
 from sparkllm.bench_rate import parse_goodput, rate_list
 from sparkllm.bench_runner import RunOptions, execute_run
@@ -215,6 +221,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory; pass a results directory")
     load_prompts(Path(a.prompts), a.category)  # bad or missing prompts: a usage error, before any request
+    depth_text = None
+    if a.depth_text:
+        if not any(depths):
+            raise UsageError("--depth-text is the filler of a --depth run; add --depth, e.g. --depth 8192")
+        depth_text = load_filler(Path(a.depth_text))
+        check_text_covers(depth_text, depths)
     meta = _read_meta(a.meta_json)
     ep = Endpoint(base_url, api_key)
     check_reachable(ep)
@@ -228,6 +240,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                                   warmup=a.warmup, concurrency=level, api_key=api_key, meta=meta,
                                   sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking),
                                   progress=not a.quiet, depth=depth, depth_tolerance=a.depth_tolerance,
+                                  depth_text=depth_text,
                                   request_rate=rate, num_requests=num_requests, duration_s=duration,
                                   arrival_seed=a.arrival_seed, goodput=targets)
                 failed += _one_run(opts)
@@ -374,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0,8192,32768) measures one run per depth (0: the prompt set as it is)")
     r.add_argument("--depth-tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="how far the served prompt length may be from the depth (fraction)")
+    r.add_argument("--depth-text", default=None, metavar="FILE",
+                   help="build depths from this UTF-8 text (your code or documents) instead of the generated "
+                        "filler; recorded by sha256, never repeated (a depth it cannot fill is refused)")
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     r.add_argument("--seed", type=int, default=0, help="sampling seed")
     r.add_argument("--api-key-file", default=None,

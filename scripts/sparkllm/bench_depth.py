@@ -4,8 +4,12 @@ The Spark has no tokenizer, so a depth is reached by calibration: the filler tex
 words, one request per depth reads ``usage.prompt_tokens`` from the server, and the word count is
 scaled until the server counts the target within the stated tolerance (``calibrate``).
 
-The filler is generated, not downloaded: ``CORPUS_WORDS`` words drawn by a seeded generator from our
-own vocabulary, pinned by ``FILLER_SHA256`` (a test recomputes it). Each prompt of the set gets its own
+The default filler is generated, not downloaded: ``CORPUS_WORDS`` words drawn by a seeded generator from
+our own vocabulary, pinned by ``FILLER_SHA256`` (a test recomputes it). Being word salad, it is harder to
+predict than real context, so acceptance on it can understate an agentic session's; ``--depth-text FILE``
+(``load_filler``) uses the owner's own text instead (their code, documents, a transcript), recorded by its
+sha256 and never sent anywhere but the server. A depth needing more words than the text has is refused:
+repeating the text would hand n-gram and MTP drafts an easy copy. Each prompt of the set gets its own
 window of the corpus (so prompts do not share a prefix), and every request of a depth run is sent with
 its own random ``cache_salt`` (vLLM 0.19.1 ``entrypoints/openai/chat_completion/protocol.py:323``,
 hashed into the first KV block in ``v1/core/kv_cache_utils.py:518``): the text stays the same across
@@ -19,6 +23,7 @@ import hashlib
 import random
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sparkllm.bench_client import Endpoint, RequestResult, Sampling, build_payload, stream_request
@@ -61,17 +66,67 @@ def corpus_sha256() -> str:
     return hashlib.sha256(" ".join(corpus()).encode("utf-8")).hexdigest()
 
 
-def filler(words: int, window: int) -> str:
-    """``words`` words of the corpus starting at a window chosen by ``window`` (wrapping around)."""
-    c = corpus()
+MIN_TEXT_WORDS = 200  # a --depth-text shorter than this is a mistake (an empty or wrong file), not a text
+
+
+@dataclass(frozen=True)
+class Filler:
+    """The words a depth is built from, and what they are: ``generated`` or the owner's file (by name)."""
+    words: tuple[str, ...]
+    sha256: str
+    source: str
+
+
+def generated_filler() -> Filler:
+    return Filler(corpus(), FILLER_SHA256, "generated")
+
+
+def load_filler(path: Path) -> Filler:
+    """The owner's text as filler (whitespace-separated words); a usage error names what is wrong with it."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"--depth-text {path}: cannot read it ({e.strerror or e}); pass a text file") from e
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--depth-text {path}: not UTF-8 text (byte {e.start}); pass a text file, "
+                         "e.g. source code or a document saved as UTF-8") from e
+    words = tuple(text.split())
+    if len(words) < MIN_TEXT_WORDS:
+        raise UsageError(f"--depth-text {path}: {len(words)} words; a depth needs at least "
+                         f"{MIN_TEXT_WORDS} (about 0.75 words per token: 8192 tokens are ~6000 words)")
+    return Filler(words, hashlib.sha256(data).hexdigest(), path.name)
+
+
+def check_text_covers(fill: Filler, depths: list[int]) -> None:
+    """Before any request: a depth the text cannot fill without repeating itself is a usage error (the
+    estimate uses 0.75 words per token, generous for English and code; calibration checks again)."""
+    need = {d: int(d * 0.75) for d in depths if d}
+    short = [d for d, w in need.items() if w > len(fill.words)]
+    if fill.source != "generated" and short:
+        raise UsageError(f"--depth-text {fill.source}: {len(fill.words)} words, too few for --depth "
+                         f"{','.join(map(str, short))} (about {need[max(short)]} words needed); "
+                         "give a longer text or smaller depths")
+
+
+def filler(words: int, window: int, fill: Filler | None = None) -> str:
+    """``words`` words of the filler starting at a window chosen by ``window``. The generated corpus wraps
+    around; an owner's text never repeats (``calibrate`` refuses a depth it cannot fill), so its windows
+    start where the remaining words still suffice."""
+    c = (fill or generated_filler()).words
+    if fill is not None and fill.source != "generated":
+        room = len(c) - words
+        start = (window * 7919) % (room + 1)
+        return " ".join(c[start:start + words])
     start = (window * 7919) % len(c)
     return " ".join(c[(start + i) % len(c)] for i in range(words))
 
 
-def at_depth(p: Prompt, words: int, window: int) -> Prompt:
+def at_depth(p: Prompt, words: int, window: int, fill: Filler | None = None) -> Prompt:
     """The prompt with ``words`` words of background placed before its last user message."""
     last = p.messages[-1]
-    content = (f"Background notes (section {window}):\n{filler(words, window)}\n\n"
+    content = (f"Background notes (section {window}):\n{filler(words, window, fill)}\n\n"
                f"Set the notes aside and answer this: {last.get('content', '')}")
     return Prompt(p.id, p.category, [*p.messages[:-1], {"role": "user", "content": content}])
 
@@ -97,28 +152,36 @@ class Calibration:
     prompt_tokens: int
     tries: int
     tolerance: float
+    fill: Filler
 
     def as_dict(self) -> dict[str, Any]:
         return {"target_tokens": self.target, "words": self.words,
                 "calibrated_prompt_tokens": self.prompt_tokens,
-                "tries": self.tries, "tolerance": self.tolerance, "filler_sha256": FILLER_SHA256}
+                "tries": self.tries, "tolerance": self.tolerance, "filler_sha256": self.fill.sha256,
+                "filler_source": self.fill.source}
 
 
 def calibrate(ep: Endpoint, model: str, probe: Prompt, target: int, s: Sampling,
-              tolerance: float = DEFAULT_TOLERANCE) -> Calibration:
+              tolerance: float = DEFAULT_TOLERANCE, fill: Filler | None = None) -> Calibration:
     """Scale the filler's word count until the server counts ``target`` prompt tokens (within tolerance)."""
+    fill = fill or generated_filler()
+    own = fill.source != "generated"
     words = max(1, int(target / 1.3))
     one = Sampling(max_tokens=1, temperature=s.temperature, seed=s.seed, thinking=s.thinking)
     got = 0
     for tries in range(1, CALIBRATION_TRIES + 1):
+        if own and words > len(fill.words):
+            raise WorkFailed(f"depth {target}: --depth-text {fill.source} has {len(fill.words)} words and "
+                             f"the server needs about {words} for {target} tokens; give a longer text or "
+                             "a smaller depth (repeating the text would make drafts too easy)")
         res = RequestResult(-1, probe.id, probe.category, -1)
-        stream_request(ep, salted_payload(model, at_depth(probe, words, 0), one, False), res)
+        stream_request(ep, salted_payload(model, at_depth(probe, words, 0, fill), one, False), res)
         if not res.ok or not res.prompt_tokens:
             raise WorkFailed(f"depth {target}: the calibration request failed ({res.error or 'no usage'}); "
                              "is the depth above the served maximum (--max-model-len)?")
         got = res.prompt_tokens
         if abs(got - target) <= tolerance * target:
-            return Calibration(target, words, got, tries, tolerance)
+            return Calibration(target, words, got, tries, tolerance, fill)
         words = max(1, round(words * target / got) if got > words * 0.05 else words * 2)
     raise WorkFailed(f"depth {target}: the server counted {got} prompt tokens after {CALIBRATION_TRIES} "
                      f"calibration requests (tolerance {tolerance:.0%}); pass another --depth")

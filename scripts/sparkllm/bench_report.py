@@ -58,6 +58,8 @@ class RunRow:
                "prompts": p.get("sha256"), "categories": p.get("category_filter"),
                "topology": m.get("topology"), "input_depth": m.get("input_depth") or None,
                "request_rate": m.get("request_rate"), "goodput_targets": m.get("goodput_targets_ms")}
+        if m.get("input_depth"):  # a depth built from another text is another context
+            ctx["filler"] = (m.get("depth") or {}).get("filler_sha256")
         return json.dumps(ctx, sort_keys=True, default=str)
 
     @property

@@ -38,7 +38,7 @@ from sparkllm.bench_client import (
     stream_request,
 )
 from sparkllm.bench_common import DEFAULT_PROMPTS, SCRIPTS_DIR, utc_now
-from sparkllm.bench_depth import DEFAULT_TOLERANCE, at_depth, calibrate, salted_payload
+from sparkllm.bench_depth import DEFAULT_TOLERANCE, Filler, at_depth, calibrate, salted_payload
 from sparkllm.bench_prometheus import (
     M_ACC_POS,
     M_ACCEPTED,
@@ -79,6 +79,7 @@ class RunOptions:
     progress: bool = True
     depth: int = 0  # target input tokens per request (0: the prompt set as it is)
     depth_tolerance: float = DEFAULT_TOLERANCE
+    depth_text: Filler | None = None  # the owner's text as depth filler (None: the generated one)
     telemetry_interval: float = 1.0
     nvidia_smi: str | None = None  # path of nvidia-smi (None: looked up on PATH; "": none)
     # request-rate mode (sparkllm.bench_rate): open-loop Poisson arrivals instead of a concurrency level
@@ -447,8 +448,9 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     models = ep.get_json("/v1/models")
     depth_meta = None
     if opts.depth:
-        cal = calibrate(ep, opts.model, prompts[0], opts.depth, opts.sampling, opts.depth_tolerance)
-        prompts = [at_depth(p, cal.words, i) for i, p in enumerate(prompts)]
+        cal = calibrate(ep, opts.model, prompts[0], opts.depth, opts.sampling, opts.depth_tolerance,
+                        opts.depth_text)
+        prompts = [at_depth(p, cal.words, i, cal.fill) for i, p in enumerate(prompts)]
         by_id = {p.id: p for p in prompts}
         depth_meta = cal.as_dict()
     continuous = _detect_continuous(ep, opts.model, prompts[0], opts.sampling, salted=bool(opts.depth))

@@ -247,3 +247,79 @@ def test_version_1_store_is_migrated(tmp_path: Path) -> None:
     assert [tuple(r) for r in conn.execute("SELECT run_id, input_depth FROM runs")] == [("old", None)]
     cols = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
     assert {"output_sha256", "output_text", "prompt_tokens"} <= cols
+
+
+def _own_text(path: Path, words: int) -> Path:
+    """An owner's text: numbered words, so a window's position and any repetition can be read back."""
+    path.write_text("\n".join(" ".join(f"w{i}" for i in range(j, min(j + 12, words)))
+                              for j in range(0, words, 12)) + "\n", encoding="utf-8")
+    return path
+
+
+def test_depth_text_is_the_owners_own_never_repeated_and_recorded(tmp_path: Path) -> None:
+    """--depth-text: the depth is built from the owner's words (each prompt its own window, no word twice),
+    the run records the text by sha256 and name, and the report keeps it apart from generated depth runs."""
+    import hashlib
+
+    text = _own_text(tmp_path / "notes.txt", 6000)
+    fill = bench_depth.load_filler(text)
+    assert fill.source == "notes.txt" and fill.sha256 == hashlib.sha256(text.read_bytes()).hexdigest()
+    for window in (0, 1, 3, 5):  # window 3 would wrap around the end of the text if it were allowed to
+        body = bench_depth.filler(1500, window, fill).split()
+        first = int(body[0][1:])
+        assert body == [f"w{i}" for i in range(first, first + 1500)]  # one contiguous slice, never wrapped
+    assert bench_depth.filler(1500, 0, fill) != bench_depth.filler(1500, 1, fill)  # own window per prompt
+    prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=1)
+    cfg = Config(model="m", step_time=0.003, tokens_per_word=1.3)
+    with StandinServer(cfg) as srv:
+        for label, extra in (("own", ["--depth-text", str(text)]), ("gen", [])):
+            assert bench.main(["run", "--base-url", srv.base_url, "--model", "m", "--label", label,
+                               "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--max-tokens", "6",
+                               "--warmup", "0", "--quiet", "--depth", "1000", *extra]) == 0
+    docs = {d["label"]: d for d in _docs(tmp_path / "out")}
+    own, gen = docs["own"]["meta"]["depth"], docs["gen"]["meta"]["depth"]
+    assert own["filler_sha256"] == fill.sha256 and own["filler_source"] == "notes.txt"
+    assert gen["filler_sha256"] == bench_depth.FILLER_SHA256 and gen["filler_source"] == "generated"
+    assert own["outside_tolerance"] == 0 and abs(own["calibrated_prompt_tokens"] - 1000) <= 50
+    md = bench_report.make_report(tmp_path / "out", charts=False)[0].read_text()
+    depth_rows = md.split("## Context depth")[1].split("\n## ")[0]
+    assert f"own text {fill.sha256[:12]}" in depth_rows and "| generated |" in depth_rows
+
+
+@pytest.mark.parametrize("case", ["short", "binary", "missing", "no-depth", "too-deep"])
+def test_a_bad_depth_text_is_a_usage_error_before_any_request(tmp_path: Path, case: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "t.txt"
+    depth = "1000"
+    if case == "short":
+        text.write_text("only a few words here\n")
+    elif case == "binary":
+        text.write_bytes(b"\xff\xfe" + b"\x00\x81" * 400)
+    elif case == "too-deep":
+        _own_text(text, 600)  # ~0.75 words per token: 600 words cannot fill 8192 tokens
+        depth = "512,8192"
+    elif case != "missing":
+        _own_text(text, 600)
+    prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=1)
+    with StandinServer(Config(model="m")) as srv:
+        rc = bench.main(["run", "--base-url", srv.base_url, "--model", "m", "--label", "x",
+                         "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--warmup", "0",
+                         "--quiet", "--depth", "0" if case == "no-depth" else depth,
+                         "--depth-text", str(text)])
+        served = srv.engine.c.success
+    err = capsys.readouterr().err
+    assert rc == 2 and served == 0 and not list((tmp_path / "out").glob("*.json"))
+    assert {"short": "words; a depth needs at least", "binary": "not UTF-8", "missing": "cannot read it",
+            "no-depth": "add --depth", "too-deep": "too few for --depth 8192"}[case] in err
+
+
+def test_a_text_the_server_counts_as_too_few_tokens_fails_without_repeating_it(tmp_path: Path) -> None:
+    """Words are fewer tokens than estimated (0.3 per word): calibration needs more words than the text has,
+    and the run fails (exit 1, no run written) instead of repeating the text."""
+    text = _own_text(tmp_path / "t.txt", 1000)  # the up-front estimate (750 words for 1000 tokens) fits
+    prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=1)
+    with StandinServer(Config(model="m", tokens_per_word=0.3)) as srv:
+        rc = bench.main(["run", "--base-url", srv.base_url, "--model", "m", "--label", "x",
+                         "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--warmup", "0",
+                         "--quiet", "--depth", "1000", "--depth-text", str(text)])
+    assert rc == 1 and not list((tmp_path / "out").glob("*.json"))

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import sqlite3
+import statistics
 from pathlib import Path
 
 import bench
@@ -104,6 +105,14 @@ def test_report_from_several_runs(tmp_path: Path) -> None:
     assert m[8].startswith(f"{g:.3f}x [") and "(n=3)" in m[8]
     assert b[8] == "1 (reference)"
     assert m[7] == "19.80 / 21.00" and m[11] == "0.80/0.60" and m[10] == "2.40"
+    # the latency table pools the row's requests: TPOT p50 / p95 / p99 of 100/d over mtp's nine requests
+    # (statistics' inclusive quantiles: linear interpolation, computed here independently of bench_stats)
+    tpot = [100.0 / d for v in mtp.values() for d in v]
+    q = statistics.quantiles(tpot, n=100, method="inclusive")
+    lat = next(r for r in md.split("## Latency")[1].splitlines() if r.startswith("| mtp-k2 |")).split(" | ")
+    assert lat[1] == "0.100 / 0.100 / 0.100"  # TTFT s
+    assert lat[2] == f"{statistics.median(tpot):.2f} / {q[94]:.2f} / {q[98]:.2f}"
+    assert q[98] > statistics.median(tpot)  # a spread: a median shown as p99 would fail
     assert "99.00" not in md.split("## Invalid runs")[0]  # invalid run excluded
     assert "bad-run" in md.split("## Invalid runs")[1]
     assert re.search(r"\| code \| 10\.50 \| 15\.75 \(1\.50x\) \|", md), md
