@@ -1,5 +1,6 @@
 """The bench stage measured the stand-in server and its results reached the controller."""
 
+import hashlib
 import json
 import os
 import sqlite3
@@ -42,11 +43,18 @@ def test_rate_runs_have_their_schedule_and_goodput():
     assert "goodput_vs_rate.png" in report
 
 
-def test_depth_reached_within_tolerance():
+def test_depth_reached_within_tolerance_from_the_owners_text():
     deep = [r for r in _runs() if r["meta"]["input_depth"]]
+    readme = Path(__file__).resolve().parents[3] / "README.md"  # bench_depth_text_file in host_vars
+    sha = hashlib.sha256(readme.read_bytes()).hexdigest()
+    assert len(deep) == 4
     for r in deep:
         assert abs(r["summary"]["prompt_tokens"]["median"] - 512) <= 0.05 * 512
         assert r["meta"]["depth"]["outside_tolerance"] == 0
+        filler = r["meta"]["depth"]
+        assert filler["filler_sha256"] == sha and filler["filler_source"] == "depth.txt"
+    report = (RESULTS / "report" / "report.md").read_text()
+    assert f"own text {sha[:12]}" in report.split("## Context depth")[1]
 
 
 def test_load_rows_in_the_report():
