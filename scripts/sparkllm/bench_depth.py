@@ -116,6 +116,8 @@ def filler(words: int, window: int, fill: Filler | None = None) -> str:
     start where the remaining words still suffice."""
     c = (fill or generated_filler()).words
     if fill is not None and fill.source != "generated":
+        if words > len(c):
+            raise ValueError(f"{words} words asked of a {len(c)}-word text: it is never repeated")
         room = len(c) - words
         start = (window * 7919) % (room + 1)
         return " ".join(c[start:start + words])
@@ -169,11 +171,16 @@ def calibrate(ep: Endpoint, model: str, probe: Prompt, target: int, s: Sampling,
     words = max(1, int(target / 1.3))
     one = Sampling(max_tokens=1, temperature=s.temperature, seed=s.seed, thinking=s.thinking)
     got = 0
+    whole = False  # an own text: the last try sent all of it
     for tries in range(1, CALIBRATION_TRIES + 1):
         if own and words > len(fill.words):
-            raise WorkFailed(f"depth {target}: --depth-text {fill.source} has {len(fill.words)} words and "
-                             f"the server needs about {words} for {target} tokens; give a longer text or "
-                             "a smaller depth (repeating the text would make drafts too easy)")
+            if whole:
+                raise WorkFailed(f"depth {target}: the whole --depth-text {fill.source} ({len(fill.words)} "
+                                 f"words) is {got} tokens to the server, about {words} words are needed; "
+                                 "give a longer text or a smaller depth (repeating it would make drafts too "
+                                 "easy)")
+            words = len(fill.words)
+        whole = own and words == len(fill.words)
         res = RequestResult(-1, probe.id, probe.category, -1)
         stream_request(ep, salted_payload(model, at_depth(probe, words, 0, fill), one, False), res)
         if not res.ok or not res.prompt_tokens:

@@ -323,3 +323,17 @@ def test_a_text_the_server_counts_as_too_few_tokens_fails_without_repeating_it(t
                          "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--warmup", "0",
                          "--quiet", "--depth", "1000", "--depth-text", str(text)])
     assert rc == 1 and not list((tmp_path / "out").glob("*.json"))
+
+
+def test_a_text_just_long_enough_is_used_whole(tmp_path: Path) -> None:
+    """760 words pass the up-front estimate for 1000 tokens (750) but are fewer than calibration's first guess
+    (1000 / 1.3 = 769): calibration sends the whole text instead of giving up or repeating it."""
+    text = _own_text(tmp_path / "t.txt", 760)
+    prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=1)
+    with StandinServer(Config(model="m", step_time=0.003, tokens_per_word=1.3)) as srv:
+        rc = bench.main(["run", "--base-url", srv.base_url, "--model", "m", "--label", "x",
+                         "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--warmup", "0",
+                         "--quiet", "--max-tokens", "6", "--depth", "1000", "--depth-text", str(text)])
+    assert rc == 0
+    (doc,) = _docs(tmp_path / "out")
+    assert doc["meta"]["depth"]["words"] == 760 and doc["meta"]["depth"]["outside_tolerance"] == 0
