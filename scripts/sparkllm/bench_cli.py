@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how far the served prompt length may be from the depth (fraction)")
     r.add_argument("--depth-text", default=None, metavar="FILE",
                    help="build depths from this UTF-8 text (your code or documents) instead of the generated "
-                        "filler; recorded by sha256, never repeated (a depth it cannot fill is refused)")
+                        "filler; recorded by sha256, never repeated (a depth it cannot fill is refused) "
+                        "(default: the generated filler)")
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     r.add_argument("--seed", type=int, default=0, help="sampling seed")
     r.add_argument("--api-key-file", default=None,
