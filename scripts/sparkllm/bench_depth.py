@@ -71,14 +71,16 @@ MIN_TEXT_WORDS = 200  # a --depth-text shorter than this is a mistake (an empty 
 
 @dataclass(frozen=True)
 class Filler:
-    """The words a depth is built from, and what they are: ``generated`` or the owner's file (by name)."""
+    """The words a depth is built from, and what they are: ``generated`` or the owner's file (by name).
+    Only the generated corpus may wrap around; an owner's text is never repeated."""
     words: tuple[str, ...]
     sha256: str
     source: str
+    wraps: bool = False
 
 
 def generated_filler() -> Filler:
-    return Filler(corpus(), FILLER_SHA256, "generated")
+    return Filler(corpus(), FILLER_SHA256, "generated", wraps=True)
 
 
 def load_filler(path: Path) -> Filler:
@@ -104,7 +106,7 @@ def check_text_covers(fill: Filler, depths: list[int]) -> None:
     estimate uses 0.75 words per token, generous for English and code; calibration checks again)."""
     need = {d: int(d * 0.75) for d in depths if d}
     short = [d for d, w in need.items() if w > len(fill.words)]
-    if fill.source != "generated" and short:
+    if not fill.wraps and short:
         raise UsageError(f"--depth-text {fill.source}: {len(fill.words)} words, too few for --depth "
                          f"{','.join(map(str, short))} (about {need[max(short)]} words needed); "
                          "give a longer text or smaller depths")
@@ -114,8 +116,9 @@ def filler(words: int, window: int, fill: Filler | None = None) -> str:
     """``words`` words of the filler starting at a window chosen by ``window``. The generated corpus wraps
     around; an owner's text never repeats (``calibrate`` refuses a depth it cannot fill), so its windows
     start where the remaining words still suffice."""
-    c = (fill or generated_filler()).words
-    if fill is not None and fill.source != "generated":
+    fill = fill or generated_filler()
+    c = fill.words
+    if not fill.wraps:
         if words > len(c):
             raise ValueError(f"{words} words asked of a {len(c)}-word text: it is never repeated")
         room = len(c) - words
@@ -167,7 +170,7 @@ def calibrate(ep: Endpoint, model: str, probe: Prompt, target: int, s: Sampling,
               tolerance: float = DEFAULT_TOLERANCE, fill: Filler | None = None) -> Calibration:
     """Scale the filler's word count until the server counts ``target`` prompt tokens (within tolerance)."""
     fill = fill or generated_filler()
-    own = fill.source != "generated"
+    own = not fill.wraps
     words = max(1, int(target / 1.3))
     one = Sampling(max_tokens=1, temperature=s.temperature, seed=s.seed, thinking=s.thinking)
     got = 0

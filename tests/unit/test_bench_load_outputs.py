@@ -286,6 +286,16 @@ def test_depth_text_is_the_owners_own_never_repeated_and_recorded(tmp_path: Path
     assert f"own text {fill.sha256[:12]}" in depth_rows and "| generated |" in depth_rows
 
 
+def test_an_own_text_named_generated_is_still_never_repeated(tmp_path: Path) -> None:
+    """Whether a filler may wrap is not read from its name: a file called "generated" is an owner's text."""
+    fill = bench_depth.load_filler(_own_text(tmp_path / "generated", 600))
+    assert not fill.wraps and bench_depth.generated_filler().wraps
+    with pytest.raises(bench_depth.UsageError, match="too few for --depth 8192"):
+        bench_depth.check_text_covers(fill, [512, 8192])
+    with pytest.raises(ValueError, match="never repeated"):
+        bench_depth.filler(700, 0, fill)
+
+
 @pytest.mark.parametrize("case", ["short", "binary", "missing", "no-depth", "too-deep"])
 def test_a_bad_depth_text_is_a_usage_error_before_any_request(tmp_path: Path, case: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
