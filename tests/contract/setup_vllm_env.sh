@@ -48,6 +48,7 @@ py="${venv_dir}/bin/python"
 # 0.20.0: the hybrid patch of patches/vllm-0.20.0; 0.26.0: the dflash variant's serve arguments
 overlay_versions="${VLLM_OVERLAY_VERSIONS-0.20.0 0.26.0}"
 cache="${repo_root}/.cache"
+mkdir -p "${cache}"  # a fresh clone has none until molecule runs; every step below writes into it
 
 probe() {
   "${py}" - "${vllm_version}" <<'PY' >/dev/null 2>&1
