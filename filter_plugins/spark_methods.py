@@ -38,6 +38,7 @@ SETTING_DEFAULTS: dict[str, object] = {
     "spec_dflash_drafter": "z-lab/Qwen3.5-122B-A10B-DFlash",
     "spec_eagle3_drafter_revision": "",
     "spec_dflash_drafter_revision": "",
+    "spec_dflash_attention_backend": "",
     "vllm_gpu_memory_utilization": 0.85,
     "vllm_max_model_len": 262144,
     "vllm_host": "127.0.0.1",
@@ -270,6 +271,7 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
         value = _get(settings, name)
         if not isinstance(value, str) or not value.strip():
             errors.append(f"{name}={value!r} must be a non-empty string; set {name}")
+    _check_method_guess(errors, settings, catalogue)
     parser = _get(settings, "vllm_reasoning_parser")
     if parser is not None and not isinstance(parser, str):
         errors.append(f"vllm_reasoning_parser={parser!r} must be a string; set it to a parser name "
@@ -312,6 +314,11 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
                       f"'' (the method's choice in methods.yml) or a vLLM backend such as FLASH_ATTN, "
                       f"FLASHINFER or TRITON_ATTN")
     _check_backends_per_method(errors, _get(settings, "vllm_attention_backends"), catalogue)
+    drafter_backend = _get(settings, "spec_dflash_attention_backend")
+    if drafter_backend is not None and not _is_backend_name(drafter_backend, allow_empty=True):
+        errors.append(f"spec_dflash_attention_backend={drafter_backend!r} is not a backend name; set it "
+                      f"to '' (the catalogue's TRITON_ATTN) or a vLLM backend that supports non-causal "
+                      f"attention, e.g. TRITON_ATTN or FLEX_ATTENTION")
     _check_serving_features(errors, settings)
     _check_extra_args(errors, _get(settings, "vllm_serve_extra_args"),
                       eager_forced=_get(settings, "spark_bad_driver_enforce_eager") is True)
@@ -336,6 +343,30 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
                       f"set vllm_api_key_file to a file holding the key, or set "
                       f"vllm_allow_unauthenticated_bind=true to accept an open endpoint")
     return errors
+
+
+# Substrings of a draft model's path from which vLLM guesses the speculative method when the configured
+# method is not one it takes as given (0.19.1 config/speculative.py: eagle-, eagle3; 0.26.0 adds dflash,
+# dspark). A method without a drafter of its own (mtp) drafts from the target's path, so a target served
+# from, say, /tmp/sparkllm-dflash/model is switched to dflash by vLLM and fails at start (issue 34).
+METHOD_GUESS_SUBSTRINGS = ("eagle-", "eagle3", "dflash", "dspark")
+
+
+def _check_method_guess(errors: list[str], settings: Mapping, catalogue: Mapping) -> None:
+    entry = catalogue.get(_get(settings, "spec_method")) if isinstance(catalogue, Mapping) else None
+    spec = (entry or {}).get("speculative_config") if isinstance(entry, Mapping) else None
+    # vLLM takes eagle3 and dflash as given and builds ngram without a draft model
+    if not isinstance(spec, Mapping) or spec.get("method") in ("ngram", "eagle3", "dflash"):
+        return
+    path = _get(settings, "vllm_model_path")
+    if not isinstance(path, str):
+        return
+    hits = [w for w in METHOD_GUESS_SUBSTRINGS if w in path.lower()]
+    if hits:
+        errors.append(f"vllm_model_path={path!r} contains {hits[0]!r}: vLLM drafts {spec.get('method')} "
+                      f"from the target's path and guesses the method from it, so it would serve "
+                      f"{hits[0].rstrip('-')} instead; serve the model from a "
+                      f"path without {', '.join(repr(h) for h in METHOD_GUESS_SUBSTRINGS)}")
 
 
 def _is_backend_name(value, allow_empty: bool = False) -> bool:

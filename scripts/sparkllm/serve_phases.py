@@ -16,6 +16,9 @@ phase       message                                                 0.19.1 / 0.2
 engine      ``Initializing a V1 LLM engine (v%s) with config: %s``  v1/engine/core.py:106 / :117
 weights     ``Starting to load model %s...``                        v1/worker/gpu_model_runner.py:4736
                                                                     / :5251
+weights     ``Loading model from scratch...`` (V2 model runner,      v1/worker/gpu/model_runner.py:270
+            which DFlash needs)                                     / :284
+weights     ``Loading drafter model...``                            v1/worker/gpu_model_runner.py
 weights     ``Loading safetensors checkpoint shards`` (tqdm)        model_executor/model_loader/
                                                                     weight_utils.py:864 / :855
 weights     ``Loading weights took %.2f seconds``                   model_loader/default_loader.py:385
@@ -75,6 +78,8 @@ RANK = {p: i for i, (p, _, _) in enumerate(PHASES)}
 PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((phase, re.compile(rx)) for phase, rx in (
     ("engine", r"Initializing a V1 LLM engine \(v"),
     ("weights", r"Starting to load model "),
+    ("weights", r"Loading model from scratch\.\.\."),
+    ("weights", r"Loading drafter model\.\.\."),
     ("weights", r"Loading safetensors checkpoint shards"),
     ("weights", r"Loading weights took [\d.]+ seconds"),
     ("compile", r"Model loading took \S+ GiB"),

@@ -167,3 +167,30 @@ def test_no_flashinfer_package_on_pypi_carries_sm12x_kernels_for_the_version(ver
         assert not [k for k in cubin["cuobjdump_sample"]["listed"] if "sm_12" in k], cubin
     else:
         assert version not in cubin["versions_on_pypi"]
+
+
+def _jit_debug(version: str, environ: dict[str, str]) -> bool:
+    """The release's own rule for a debug JIT build (-O0 -G): its statements in jit/core.py that read
+    FLASHINFER_JIT_DEBUG / FLASHINFER_JIT_VERBOSE, executed against ``environ``."""
+    lines = _source(version, "flashinfer/jit/core.py").splitlines()
+    start = next(i for i, ln in enumerate(lines) if 'os.environ.get("FLASHINFER_JIT_DEBUG")' in ln)
+    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("debug ="))
+    code = "\n".join(ln.strip() for ln in lines[start:end + 1])
+    scope = {"os": argparse.Namespace(environ=environ)}
+    exec(code, scope)  # noqa: S102 - the release's three assignments, nothing else
+    return scope["debug"]
+
+
+def _serve_container_env() -> dict[str, str]:
+    """The FLASHINFER_* variables the serve role gives the server (serve_flashinfer_jit_verbose on)."""
+    text = (ROOT / "roles/serve/vars/main.yml").read_text()
+    return dict(re.findall(r"'--env=(FLASHINFER_JIT_[A-Z]+)=([^']*)'", text))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_verbose_jit_logs_are_not_debug_builds(version):
+    # issue 29: VERBOSE=1 alone makes every JIT module a -O0 -G debug build in these releases
+    assert _jit_debug(version, {"FLASHINFER_JIT_VERBOSE": "1"}) is True
+    env = _serve_container_env()
+    assert env.get("FLASHINFER_JIT_VERBOSE") == "1"
+    assert _jit_debug(version, env) is False, env

@@ -294,6 +294,10 @@ def dflash_answers(vllm_module, catalogue, variants):
     # last: the drafter pinned to a commit (issue 15), as the serve role renders it
     requests.append({"speculative": spark_speculative_config(
         settings(spec_method="dflash", spec_dflash_drafter_revision="b" * 40), catalogue)})
+    # the owner's drafter backend knob (issue 29): a valid one, then a name vLLM does not know (last two)
+    for backend in ("FLEX_ATTENTION", "NO_SUCH_ATTN"):
+        requests.append({"speculative": spark_speculative_config(
+            settings(spec_method="dflash", spec_dflash_attention_backend=backend), catalogue)})
     answers = run_probe_020(variants, requests)
     return cases, answers
 
@@ -333,6 +337,23 @@ def test_dflash_config_fields_accepted_by_the_dflash_variant(dflash_answers):
     assert report["field_errors"] == {}
     # Construction reaches the drafter setup, which reads the target model's config (none here).
     assert not report["stage_error"].startswith("ValidationError"), report["stage_error"]
+
+
+def test_dflash_drafter_attention_backend_is_a_non_causal_backend_of_the_variant(dflash_answers):
+    # issue 29: unset, 0.26.0 auto-selects FLASH_ATTN first on SM12x (the FA2 device assert of #50707)
+    _, answers = dflash_answers
+    report = answers[1 + len(MAIN_OPTIONS)]
+    assert report["field_errors"] == {}
+    assert report["parsed"]["attention_backend"] == "TRITON_ATTN"
+    assert report["attention_backend_non_causal"] is True
+
+
+def test_dflash_drafter_backend_knob_reaches_the_variants_config(dflash_answers):
+    _, answers = dflash_answers
+    flex, bogus = answers[-2:]
+    assert flex["field_errors"] == {} and flex["parsed"]["attention_backend"] == "FLEX_ATTENTION"
+    assert flex["attention_backend_non_causal"] is True
+    assert "Unknown attention backend" in bogus["field_errors"]["attention_backend"]
 
 
 def test_dflash_probe_can_fail(dflash_answers):
@@ -382,7 +403,7 @@ def test_hub_client_reads_the_token_from_hf_token_path(vllm_module, tmp_path, to
 
 def test_dflash_drafter_revision_is_a_field_the_dflash_variant_accepts(dflash_answers):
     _, answers = dflash_answers
-    report = answers[-1]
+    report = answers[-3]
     assert report["field_errors"] == {}, report
     assert not report["stage_error"].startswith("ValidationError"), report["stage_error"]
 

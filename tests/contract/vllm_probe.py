@@ -232,7 +232,15 @@ def check_speculative(config: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import SpeculativeConfig
 
     fields = SpeculativeConfig.__pydantic_fields__
-    report: dict[str, Any] = {"field_errors": {}, "constructed": False, "stage_error": None}
+    # The class's own "before" field validators run first, as in construction (0.26.0 parses
+    # attention_backend names such as "TRITON_ATTN" into AttentionBackendEnum members this way).
+    before = {}
+    for dec in SpeculativeConfig.__pydantic_decorators__.field_validators.values():
+        if dec.info.mode == "before":
+            for name in dec.info.fields:
+                before.setdefault(name, []).append(dec.func)
+    report: dict[str, Any] = {"field_errors": {}, "constructed": False, "stage_error": None,
+                              "parsed": {}}
     for key, value in config.items():
         if key not in fields:
             report["field_errors"][key] = "not a SpeculativeConfig field"
@@ -240,9 +248,25 @@ def check_speculative(config: dict[str, Any]) -> dict[str, Any]:
         info = fields[key]
         tp = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
         try:
-            TypeAdapter(tp).validate_python(value)
+            for func in before.get(key, ()):
+                value = func(value)
+            parsed = TypeAdapter(tp).validate_python(value)
         except ValidationError as exc:
             report["field_errors"][key] = "; ".join(e["msg"] for e in exc.errors())
+        except (KeyError, ValueError) as exc:
+            report["field_errors"][key] = f"{type(exc).__name__}: {exc}"
+        else:
+            report["parsed"][key] = getattr(parsed, "name", None) or _jsonable(parsed)
+    backend = report["parsed"].get("attention_backend")
+    if backend:
+        # what the DFlash loader needs of the drafter's backend (use_non_causal in its selector)
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        try:
+            backend_cls = AttentionBackendEnum[backend].get_class()
+            report["attention_backend_non_causal"] = bool(backend_cls.supports_non_causal())
+        except Exception as exc:  # noqa: BLE001 - a backend whose module cannot load here
+            report["attention_backend_non_causal"] = f"{type(exc).__name__}: {exc}"
     try:
         built = SpeculativeConfig(**config)
     except ValidationError as exc:

@@ -88,7 +88,8 @@ def test_plugin_defaults_match_main_yml(main_yml):
     required = {
         "spec_method", "spec_num_speculative_tokens", "spec_ngram_lookup_min", "spec_ngram_lookup_max",
         "spec_eagle3_drafter", "spec_dflash_drafter", "spec_eagle3_drafter_revision",
-        "spec_dflash_drafter_revision", "vllm_gpu_memory_utilization", "vllm_max_model_len",
+        "spec_dflash_drafter_revision", "spec_dflash_attention_backend", "vllm_gpu_memory_utilization",
+        "vllm_max_model_len",
         "vllm_host", "vllm_port", "vllm_served_model_name", "vllm_reasoning_parser", "vllm_api_key_file",
         "vllm_allow_unauthenticated_bind", "spark_model_dir", "spark_tensor_parallel_size",
         "spark_distributed_backend", "vllm_attention_backend", "vllm_serve_extra_args",
@@ -133,7 +134,7 @@ def test_filter_module_registers_filters():
     ("mtp", {"method": "mtp", "num_speculative_tokens": 2}),
     ("eagle3", {"method": "eagle3", "model": "/drafters/eagle3", "num_speculative_tokens": 3}),
     ("dflash", {"method": "dflash", "model": "z-lab/Qwen3.5-122B-A10B-DFlash",
-                "num_speculative_tokens": 5}),
+                "num_speculative_tokens": 5, "attention_backend": "TRITON_ATTN"}),
 ])
 def test_speculative_config_defaults(catalogue, method, expected):
     assert spark_speculative_config(settings(spec_method=method), catalogue) == expected
@@ -676,3 +677,41 @@ def test_server_env_refuses_values_a_unit_would_misread(catalogue):
         spark_server_env("mtp", bad)
     with pytest.raises(ValueError, match="spec_method"):
         spark_server_env("bogus", catalogue)
+
+
+@pytest.mark.parametrize(("path", "guessed"), [
+    ("/tmp/sparkllm-dflash/model", "dflash"), ("/srv/EAGLE3-target", "eagle3"), ("/m/eagle-x", "eagle"),
+    ("/m/dspark", "dspark")])
+def test_a_target_path_vllm_would_read_as_another_method_is_refused_for_mtp(catalogue, path, guessed):
+    # issue 34: 0.26.0 drafts mtp from the target's path and switches the method by its name
+    (error,) = spark_method_settings_errors(settings(spec_method="mtp", vllm_model_path=path), catalogue)
+    assert error.startswith(f"vllm_model_path={path!r}") and f"would serve {guessed} instead" in error
+
+
+@pytest.mark.parametrize("method", ["baseline", "ngram", "eagle3", "dflash"])
+def test_methods_with_their_own_drafter_or_none_take_any_path(catalogue, method):
+    assert not spark_method_settings_errors(
+        settings(spec_method=method, vllm_model_path="/tmp/sparkllm-dflash/model",
+                 spec_eagle3_drafter="/drafters/e3"), catalogue)
+
+
+@pytest.mark.parametrize(("value", "ok"), [("", True), ("FLEX_ATTENTION", True), ("flash attn", False),
+                                           (3, False)])
+def test_the_dflash_drafter_backend_knob_is_a_backend_name(catalogue, value, ok):
+    errors = spark_method_settings_errors(
+        settings(spec_method="dflash", spec_dflash_attention_backend=value), catalogue)
+    assert (not errors) is ok, errors
+    if not ok:
+        assert errors[0].startswith("spec_dflash_attention_backend=")
+
+
+def test_the_dflash_drafter_gets_a_non_causal_backend_by_default_and_the_owner_s_when_set(catalogue):
+    default = spark_speculative_config(settings(spec_method="dflash"), catalogue)
+    assert default["attention_backend"] == "TRITON_ATTN"
+    owner = spark_speculative_config(
+        settings(spec_method="dflash", spec_dflash_attention_backend="FLEX_ATTENTION"), catalogue)
+    assert owner["attention_backend"] == "FLEX_ATTENTION"
+    # the target's override never reaches the drafter
+    target = spark_speculative_config(
+        settings(spec_method="dflash", vllm_attention_backends={"dflash": "FLASHINFER"}), catalogue)
+    assert target["attention_backend"] == "TRITON_ATTN"
