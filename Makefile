@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image \
-        bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash clean
+        bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash gpu-shared-experts clean
 
 # --- set-up ----------------------------------------------------------------
 $(BIN)/.stamp: requirements.txt
@@ -86,3 +86,8 @@ gpu-first-start:
 # DFlash (tiny drafter) and bench.py --concurrency 1,2,4 on vLLM 0.26.0 (tests/gpu/dflash_bench.py)
 gpu-dflash:
 	$(PYTHON) tests/gpu/dflash_bench.py --out results/gpu-dflash $(ARGS)
+
+# Negative control (a hybrid with 1/16 shared-expert scales must fail the hybrid check) and vLLM's memory
+# reservation against total x utilization (tests/gpu/shared_experts.py); 0.20.0 or 0.26.0
+gpu-shared-experts:
+	$(PYTHON) tests/gpu/shared_experts.py --out results/gpu-shared-experts $(ARGS)

@@ -10,7 +10,9 @@ present); every F8_E4M3 weight has a *.weight_scale_inv partner whose shape is
 (ceil(rows/b), ceil(cols/b)) for one block size b shared across the checkpoint; with
 --expect-hybrid at least one FP8 weight exists and no FP8 tensor is under ".experts."; with
 --expect-tool-tokens the tokenizer has the <tool_call> and </tool_call> tokens (without them vLLM's Qwen
-tool parsers make every chat request fail with HTTP 500 when tool calling is on).
+tool parsers make every chat request fail with HTTP 500 when tool calling is on); with --fp8-source DIR
+every FP8 weight's weight_scale_inv equals that of the FP8 checkpoint it was merged from (a scale 16x
+off passes every other check, and a tiny model serves it with nearly the same text).
 
 Exit codes: 0 valid, 1 invalid (one line per problem on stdout, or JSON with --json), 2 usage error
 (bad arguments, DIR not a directory).
@@ -39,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expect-hybrid", action="store_true", help="require FP8 weights, none under .experts.")
     p.add_argument("--expect-tool-tokens", action="store_true",
                    help="require the <tool_call> and </tool_call> tokens vLLM's Qwen tool parsers need")
+    p.add_argument("--fp8-source", type=Path, metavar="DIR",
+                   help="FP8 checkpoint the hybrid came from: each weight_scale_inv must equal it "
+                        "(default: unchecked)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
     return p
 
@@ -51,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if a.fp8_source is not None and not a.fp8_source.is_dir():
+        print(f"verify_checkpoint: error: --fp8-source {a.fp8_source}: not a directory; pass the FP8 "
+              f"checkpoint the hybrid was merged from", file=sys.stderr)
+        return 2
     r = verify_checkpoint(a.dir, expect_mtp=a.expect_mtp, expect_hybrid=a.expect_hybrid,
-                          expect_tool_tokens=a.expect_tool_tokens)
+                          expect_tool_tokens=a.expect_tool_tokens, fp8_source=a.fp8_source)
     if a.json:
         print(
             json.dumps(

@@ -626,8 +626,55 @@ def check_tool_tokens(directory: Path) -> list[str]:
             f"vllm_enable_auto_tool_choice: false"]
 
 
+_FLOAT_FORMATS = {"F32": ("f", 4), "F16": ("e", 2)}
+
+
+def _floats(src: TensorSource) -> list[float]:
+    import struct
+
+    off, n = src.header.absolute(src.info.name)
+    with open(src.header.path, "rb") as f:
+        f.seek(off)
+        raw = f.read(n)
+    if src.info.dtype == "BF16":  # the high half of an F32
+        return list(struct.unpack(f"<{n // 2}f", b"".join(b"\0\0" + raw[i:i + 2] for i in range(0, n, 2))))
+    code, size = _FLOAT_FORMATS[src.info.dtype]
+    return list(struct.unpack(f"<{n // size}{code}", raw))
+
+
+def check_fp8_scales_against(table: Mapping[str, TensorSource], fp8_dir: Path,
+                             rtol: float = 1e-3) -> list[str]:
+    """Problems where an FP8 weight's ``weight_scale_inv`` differs from the FP8 source's.
+
+    A merge copies the FP8 tensors; a scale that shrank or grew (a wrong dtype cast, a scale applied
+    twice, the 1/16 of the GPU run's negative control) dequantizes every weight of the layer wrongly
+    while shapes and names still pass, and at the tiny model's size the served text barely changes."""
+    source = load_fp8_table(fp8_dir)
+    problems = []
+    for name, src in sorted(table.items()):
+        if src.info.dtype != FP8_DTYPE or not name.endswith(".weight") or scale_name(name) not in table:
+            continue
+        ours, ref = table[scale_name(name)], source.get(scale_name(name))
+        if ref is None:
+            problems.append(f"{ours.file}: {ours.info.name} is not in the FP8 source {fp8_dir}")
+            continue
+        if (ours.info.shape, ours.info.dtype) != (ref.info.shape, ref.info.dtype) or ours.info.dtype not in (
+                *_FLOAT_FORMATS, "BF16"):
+            problems.append(f"{ours.file}: {ours.info.name} is {ours.info.dtype} {list(ours.info.shape)}, "
+                            f"the FP8 source's {ref.info.dtype} {list(ref.info.shape)}")
+            continue
+        pairs = [(a, b) for a, b in zip(_floats(ours), _floats(ref), strict=True) if a != b]
+        bad = [(a, b) for a, b in pairs if not math.isclose(a, b, rel_tol=rtol)]
+        if bad:
+            ratios = sorted(a / b for a, b in bad if b)
+            mid = ratios[len(ratios) // 2] if ratios else float("nan")
+            problems.append(f"{ours.file}: {ours.info.name}: {len(bad)} scales differ from the FP8 source's "
+                            f"(median ratio {mid:.4g}); re-run the merge from the FP8 source")
+    return problems
+
+
 def verify_checkpoint(directory: Path, expect_mtp: bool = False, expect_hybrid: bool = False,
-                      expect_tool_tokens: bool = False) -> VerifyReport:
+                      expect_tool_tokens: bool = False, fp8_source: Path | None = None) -> VerifyReport:
     report = VerifyReport()
     if expect_tool_tokens:
         report.problems.extend(check_tool_tokens(directory))
@@ -699,6 +746,11 @@ def verify_checkpoint(directory: Path, expect_mtp: bool = False, expect_hybrid: 
         for name, src in sorted(table.items()):
             if src.info.dtype == FP8_DTYPE and is_expert(name):
                 report.problems.append(f"{src.file}: expert tensor {name} is FP8 (hybrid keeps experts INT4)")
+    if fp8_source is not None:
+        try:
+            report.problems.extend(check_fp8_scales_against(table, fp8_source))
+        except (CheckpointError, OSError) as exc:
+            report.problems.append(f"{fp8_source}: cannot read the FP8 source: {exc}")
     return report
 
 

@@ -57,8 +57,12 @@ BENCH_SECONDS = 200  # what the bench runs and the report need after the starts
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash_bench.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/sparkllm-dflash"))
-    ap.add_argument("--budget", type=float, default=900, help="seconds for the whole run (default 900)")
+    # Never a path naming a method: vLLM drafts mtp from the target's path and guesses the method from
+    # it ("dflash" in /tmp/sparkllm-dflash switched mtp to dflash; the filter now refuses such a path).
+    ap.add_argument("--work", type=Path, default=Path("/tmp/sparkllm-gpu-spec"),
+                    help="scratch directory for the models (default /tmp/sparkllm-gpu-spec)")
+    ap.add_argument("--budget", type=float, default=560,
+                    help="seconds for the whole run (default 560: one GPU-host call may run 600)")
     ap.add_argument("--max-tokens", type=int, default=64, help="bench.py --max-tokens (default 64)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--moe-backend", default="auto",

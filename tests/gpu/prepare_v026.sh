@@ -3,8 +3,8 @@
 # offline x86_64 GPU host, whose Python has torch 2.11.0+cu130 (0.26.0's pin) and the packages of
 # ../shared/gpu/device-freeze.txt. pip's resolver runs for Linux x86_64 / CPython 3.12 with stand-in
 # torch wheels (a local version tag, which pip prefers; so the host's CUDA torch stack is kept), and only what the host lacks is carried,
-# minus heavy optional kernel packages (as for 0.20.0). Output: .gpuwork/bundle026/partNN (61 MiB
-# each, one per upload; .gpuwork/ is ignored through .git/info/exclude) holding wheels/*.whl.
+# minus heavy optional kernel packages (as for 0.20.0). Output: .gpuwork/bundle026/partNN (sized so
+# that one part plus the working tree fits a 64 MiB call, one per upload; .gpuwork/ is ignored through .git/info/exclude) holding wheels/*.whl.
 # On the host: each call carries one part and runs
 #   GPU_BUNDLE_DIR=.gpuwork/bundle026 GPU_STAGE=/root/stage026 bash tests/gpu/gpu_host.sh stage
 # and the last adds `GPU_STAGE=/root/stage026 GPU_SITE=/root/site026 bash tests/gpu/gpu_host.sh setup N`
@@ -68,7 +68,14 @@ PY
 python3 -m pip download -q --no-deps $PLAT -d "$W/b/wheels" -r "$W/need.txt"
 du -sh "$W/b/wheels"
 mkdir -p .gpuwork/bundle026 && rm -f .gpuwork/bundle026/part*
-tar -cf - -C "$W/b" . | split -b 61M -d - .gpuwork/bundle026/part
+# A call carries the working tree (tracked + untracked, not ignored) AND one part, 64 MiB in all: the part
+# is what is left after the tree and a 2 MiB margin (a 61 MiB part was ~9 KB over with a 3 MiB tree).
+tree_bytes=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r stat -c %s 2>/dev/null \
+  | awk '{ s += $1 } END { print s + 0 }')
+part_mib=$(( (64 * 1048576 - tree_bytes - 2 * 1048576) / 1048576 ))
+[ "$part_mib" -ge 8 ] || { echo "prepare_v026.sh: the working tree ($tree_bytes bytes) leaves no room for a part" >&2; exit 1; }
+echo "working tree $tree_bytes bytes: parts of $part_mib MiB"
+tar -cf - -C "$W/b" . | split -b "${part_mib}M" -d - .gpuwork/bundle026/part
 cp "$W/need.txt" .gpuwork/bundle026/need.txt; cp "$W/dropped.txt" .gpuwork/bundle026/replaced.txt
 rm -rf "$W"
 ls -la .gpuwork/bundle026

@@ -73,6 +73,9 @@ GROUP, BLOCK, FP8_MAX = 128, 128, 448.0
 NOISE = 0.02
 LOGIT_SCALE = 0.4  # correct-token logit ~ 0.4 * 16 = 6.4 over noise of ~0.7: greedy is stable,
 #                    top probability ~0.6, so logprobs carry information
+# --shared-experts-matter (Source._make_shared_experts_matter): decoy and answer-code weights of lm_head,
+# the last layer's shared-expert lookup (input selectivity, residual write)
+DECOY_SCALE, CODE_SCALE, SHARED_SELECT, SHARED_WRITE = 0.5, 0.6, 0.25, 10.0
 LM = "model.language_model."
 EXTRA_FILE = "model_extra_tensors.safetensors"
 MARKER = ".sparkllm_tiny_pair.json"
@@ -210,6 +213,10 @@ def bf16_round(a: np.ndarray) -> np.ndarray:
     return u.astype(np.uint32).view(np.float32)
 
 
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
 def successor_map(rng: np.random.Generator) -> np.ndarray:
     """succ[t] for every token id of the vocabulary: one cycle through the printable bytes; every
     other token goes to a printable byte."""
@@ -224,13 +231,54 @@ def successor_map(rng: np.random.Generator) -> np.ndarray:
 class Source:
     """The BF16 source weights (float32 arrays holding BF16 values), by checkpoint name."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, shared_matter: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
         self.succ = successor_map(self.rng)
         self.trunk: dict[str, np.ndarray] = {}
         self.mtp: dict[str, np.ndarray] = {}
         self.visual: dict[str, np.ndarray] = {}
         self._build()
+        if shared_matter:
+            self._make_shared_experts_matter()
+
+    def _make_shared_experts_matter(self) -> None:
+        """The ``--shared-experts-matter`` variant: greedy decoding follows S only through the shared
+        experts of the last layer (and of the MTP layer), so a hybrid whose FP8 shared experts load
+        wrong (unscaled, or scaled 1/16) answers differently, not just with a 0.02 logprob shift.
+
+        ``lm_head`` gets a decoy: row D(t) = S(S(t)) also reads the unit embedding of each printable
+        t, DECOY_SCALE > LOGIT_SCALE, so without help the decoy wins (8.0 vs 6.4). Every printable
+        successor j gets a random unit "answer code" c_j that row j reads with CODE_SCALE. The last
+        layer's shared expert is a lookup of the input token: gate and up row k are
+        SHARED_SELECT * unit(e_p) for printable p = PRINTABLE[k] (silu(z) * z is ~15.7 for the token
+        itself, ~0.03 for any other), down column k writes SHARED_WRITE * c_S(p) (its gate is zero:
+        sigmoid 0.5). With it: S ~10.5 vs decoy ~6.8 after the final norm; without it: the decoy.
+        """
+        v = vocab_size()
+        embed = self.trunk[LM + "embed_tokens.weight"]
+        unit = embed / np.linalg.norm(embed, axis=1, keepdims=True)
+        codes = self.rng.standard_normal((v, H))
+        codes /= np.linalg.norm(codes, axis=1, keepdims=True)
+        head = self.trunk["lm_head.weight"].astype(np.float64)
+        for t in PRINTABLE:
+            head[self.decoy(t)] += DECOY_SCALE * unit[t]
+        for j in PRINTABLE:
+            head[j] += CODE_SCALE * codes[j]
+        self.trunk["lm_head.weight"] = bf16_round(head)
+        act = _silu(SHARED_SELECT * 16.0) * SHARED_SELECT * 16.0  # the selected feature, |e| ~ 16
+        for out, p in ((self.trunk, f"{LM}layers.{LAYERS - 1}.mlp."), (self.mtp, "mtp.layers.0.mlp.")):
+            gate = np.zeros((SHARED_I, H))
+            down = np.zeros((H, SHARED_I))
+            for k, t in enumerate(PRINTABLE):
+                gate[k] = SHARED_SELECT * unit[t]
+                down[:, k] = SHARED_WRITE / (0.5 * act) * codes[int(self.succ[t])]
+            out[p + "shared_expert.gate_proj.weight"] = bf16_round(gate)
+            out[p + "shared_expert.up_proj.weight"] = bf16_round(gate)
+            out[p + "shared_expert.down_proj.weight"] = bf16_round(down)
+            out[p + "shared_expert_gate.weight"] = np.zeros((1, H), np.float32)
+
+    def decoy(self, t: int) -> int:
+        return int(self.succ[int(self.succ[t])])
 
     def _noise(self, *shape: int, std: float = NOISE) -> np.ndarray:
         return bf16_round(self.rng.standard_normal(shape) * std)
@@ -486,7 +534,7 @@ def write_fp8(d: Path, src: Source) -> dict:
     return {"listed": listed, "fp8_weights": sum(1 for n, t, _ in first + second if t == "F8_E4M3")}
 
 
-def generate(out: Path, seed: int = 0) -> dict:
+def generate(out: Path, seed: int = 0, shared_matter: bool = False) -> dict:
     """Write out/int4 and out/fp8 (into a temporary sibling, renamed into place); the summary."""
     out = out.resolve()
     if out.exists():
@@ -495,8 +543,9 @@ def generate(out: Path, seed: int = 0) -> dict:
         shutil.rmtree(out)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    src = Source(seed)
-    info: dict[str, object] = {"int4": str(out / "int4"), "fp8": str(out / "fp8"), "seed": seed}
+    src = Source(seed, shared_matter)
+    info: dict[str, object] = {"int4": str(out / "int4"), "fp8": str(out / "fp8"), "seed": seed,
+                               "shared_experts_matter": shared_matter}
     for sub, writer in (("int4", write_int4), ("fp8", write_fp8)):
         d = tmp / sub
         d.mkdir(parents=True)
@@ -504,9 +553,44 @@ def generate(out: Path, seed: int = 0) -> dict:
         info[sub + "_files"] = writer(d, src)
     successors = {chr(t): chr(int(src.succ[t])) for t in PRINTABLE}
     info["successors"] = "".join(successors[c] for c in map(chr, PRINTABLE))
-    (tmp / MARKER).write_text(json.dumps({"seed": seed, "successor_of_printable": info["successors"]}))
+    (tmp / MARKER).write_text(json.dumps({"seed": seed, "successor_of_printable": info["successors"],
+                                          "shared_experts_matter": shared_matter}))
     tmp.rename(out)
     return info
+
+
+def scaled_shared_experts(hybrid: Path, out: Path, factor: float) -> dict:
+    """A copy of ``hybrid`` at ``out`` with every shared-expert ``weight_scale_inv`` multiplied by ``factor``
+    (F32, rewritten in place in the copy): the negative control of the GPU run. 1/16 is, in effect, the
+    shared experts removed (each of the three matrices 16x smaller). Returns what was changed."""
+    hybrid, out = hybrid.resolve(), out.resolve()
+    if out.exists():
+        if not (out / ".sparkllm_negative_control.json").is_file():
+            raise FileExistsError(f"{out} exists and is not a negative-control copy; choose another path")
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(hybrid, tmp)
+    changed = []
+    for f in sorted(tmp.glob("*.safetensors")):
+        (n,) = struct.unpack("<Q", f.read_bytes()[:8])
+        header = json.loads(f.read_bytes()[8:8 + n])
+        with open(f, "r+b") as fh:
+            for name, e in header.items():
+                if ".shared_expert." not in name or not name.endswith(".weight_scale_inv"):
+                    continue
+                if e["dtype"] != "F32":
+                    raise ValueError(f"{f.name}: {name} is {e['dtype']}, expected F32")
+                a, b = e["data_offsets"]
+                fh.seek(8 + n + a)
+                vals = np.frombuffer(fh.read(b - a), "<f4") * np.float32(factor)
+                fh.seek(8 + n + a)
+                fh.write(vals.astype("<f4").tobytes())
+                changed.append(name)
+    (tmp / ".sparkllm_negative_control.json").write_text(json.dumps({"from": str(hybrid), "factor": factor,
+                                                                     "scales": changed}))
+    tmp.rename(out)
+    return {"path": str(out), "factor": factor, "scales": len(changed)}
 
 
 def greedy_continuation(text_last_char: str, n: int, seed: int = 0) -> str:
@@ -568,9 +652,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="output directory (int4/ and fp8/ inside); replaced only "
                    "when an earlier tiny_pair.py run wrote it")
     p.add_argument("--seed", type=int, default=0, help="weights and successor map (default 0)")
+    p.add_argument("--shared-experts-matter", action="store_true",
+                   help="greedy text follows the successor map only through the last layer's shared "
+                        "experts (negative control: without working FP8 shared experts it answers otherwise)")
     a = p.parse_args(argv)
     try:
-        info = generate(a.out, a.seed)
+        info = generate(a.out, a.seed, a.shared_experts_matter)
     except FileExistsError as e:
         print(f"tiny_pair.py: {e}", file=sys.stderr)
         return 1

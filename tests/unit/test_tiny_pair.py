@@ -187,3 +187,83 @@ def test_tokenizer_is_byte_level():
         enc = tok.encode("<|im_start|>user\nhi!<|im_end|>")
         assert enc.ids == [tp.special_id("<|im_start|>"), *b"user\nhi!", tp.special_id("<|im_end|>")]
         assert tok.decode(enc.ids, skip_special_tokens=False) == "<|im_start|>user\nhi!<|im_end|>"
+
+
+# --- the shared-experts-matter variant (issue 34: a negative control that can fail) -----------------
+
+def _rms(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)  # Qwen3.5 norms: (1 + w), w = 0 here
+
+
+def _last_layer_logits(src: tp.Source, shared_scale: float = 1.0, fp8: bool = False) -> np.ndarray:
+    """Logits for every printable input token t with the residual stream = its embedding (the earlier
+    layers add noise of std 0.02 matrices) through the last layer's shared expert, the final norm and
+    lm_head; each shared-expert matrix scaled by ``shared_scale`` (as a 1/16 weight_scale_inv does)
+    or FP8-block quantized as the hybrid holds it."""
+    p = f"{tp.LM}layers.{tp.LAYERS - 1}.mlp.shared_expert."
+    mats = {n: src.trunk[p + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj")}
+    if fp8:
+        mats = {n: tp.fp8_block(w)[2] for n, w in mats.items()}
+    mats = {n: w * shared_scale for n, w in mats.items()}
+    h = src.trunk[tp.LM + "embed_tokens.weight"][tp.PRINTABLE].astype(np.float64)
+    x = _rms(h)
+    act = tp._silu(x @ mats["gate_proj"].T) * (x @ mats["up_proj"].T)
+    gate = 1 / (1 + np.exp(-(x @ src.trunk[p[:-len("shared_expert.")] + "shared_expert_gate.weight"].T)))
+    h = h + gate * (act @ mats["down_proj"].T)
+    return _rms(h) @ src.trunk["lm_head.weight"].T
+
+
+def _logprob_top(logits: np.ndarray) -> np.ndarray:
+    m = logits.max(-1, keepdims=True)
+    return (logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))).max(-1)
+
+
+def test_with_shared_experts_matter_greedy_follows_s_only_through_them():
+    src = tp.Source(0, shared_matter=True)
+    succ = src.succ[tp.PRINTABLE]
+    decoy = np.array([src.decoy(t) for t in tp.PRINTABLE])
+    full = _last_layer_logits(src)
+    assert (full.argmax(-1) == succ).all()
+    removed = _last_layer_logits(src, shared_scale=1 / 16)
+    # removing the shared experts changes the answer on most tokens: the decoy takes over
+    assert (removed.argmax(-1) != succ).mean() >= 0.8
+    assert (removed.argmax(-1) == decoy).mean() >= 0.8
+    # FP8 block quantization (what the hybrid serves) keeps every answer, top logprob within 0.05
+    fp8 = _last_layer_logits(src, fp8=True)
+    assert (fp8.argmax(-1) == succ).all()
+    assert np.abs(_logprob_top(fp8) - _logprob_top(full)).max() < 0.05
+
+
+def test_in_the_default_pair_the_shared_experts_barely_matter():
+    # why the variant exists: 1/16 shared experts leave the default model's answers unchanged
+    src = tp.Source(0)
+    assert (_last_layer_logits(src, shared_scale=1 / 16).argmax(-1) == src.succ[tp.PRINTABLE]).all()
+
+
+def test_the_variant_is_recorded_and_the_pipeline_still_accepts_it(tmp_path):
+    info = tp.generate(tmp_path / "sm", seed=0, shared_matter=True)
+    assert info["shared_experts_matter"] is True
+    assert json.loads((tmp_path / "sm" / tp.MARKER).read_text())["shared_experts_matter"] is True
+
+
+def test_verify_checkpoint_compares_fp8_scales_with_the_source(tmp_path):
+    pair = tmp_path / "sm"
+    tp.generate(pair, seed=0, shared_matter=True)
+    py = sys.executable
+    run = lambda *a: subprocess.run([py, *map(str, a)], capture_output=True, text=True, check=False)  # noqa: E731
+    hybrid = tmp_path / "hybrid"
+    r = run(ROOT / "scripts/hybrid_merge.py", "--int4", pair / "int4", "--fp8", pair / "fp8", "--out", hybrid)
+    assert r.returncode == 0, r.stderr
+    verify = ROOT / "scripts/verify_checkpoint.py"
+    r = run(verify, hybrid, "--expect-hybrid", "--fp8-source", pair / "fp8")
+    assert r.returncode == 0, r.stdout
+    neg = tp.scaled_shared_experts(hybrid, tmp_path / "neg", 1 / 16)
+    assert neg["scales"] == 12
+    # every other check passes the 1/16 copy; the source comparison names each of the 12 scales
+    assert run(verify, neg["path"], "--expect-hybrid").returncode == 0
+    r = run(verify, neg["path"], "--expect-hybrid", "--fp8-source", pair / "fp8")
+    assert r.returncode == 1
+    lines = r.stdout.splitlines()
+    assert len(lines) == 12, lines
+    assert all("median ratio 0.0625" in ln and "shared_expert" in ln for ln in lines), lines
+    assert run(verify, hybrid, "--fp8-source", tmp_path / "nope").returncode == 2
