@@ -3,6 +3,7 @@
 what the memory budget says it does.
 
     python3 tests/gpu/shared_experts.py --out DIR [--work DIR] [--budget S] [--moe-backend auto|NAME]
+                                        [--phase all|shared|memory]
 
 On a host where ``import vllm`` works (0.20.0 or 0.26.0: tests/gpu/gpu_host.sh), with our patches applied
 to a copy of it (e2e.patched_vllm):
@@ -165,24 +166,22 @@ def main(argv: list[str] | None = None) -> int:
         summary["cases"][label] = {"argv": s.argv}
         return s
 
-    servers = {
+    servers = {} if a.phase == "memory" else {
         "sm-int4": server("sm-int4", pair["int4"], 8401),
         "sm-hybrid": server("sm-hybrid", str(hybrid), 8402),
         "sm-neg": server("sm-neg", neg["path"], 8403),
     }
-    if a.phase == "memory":
-        servers = {}
+    reserve = 200 if a.phase == "all" else 30  # seconds kept for what follows (the memory part, the probes)
+    states: dict = {}
     try:
         # the first start compiles the Triton kernels (minutes on a cold host); the other two then find
         # them in the on-disk caches instead of compiling the same kernels three times at once
         if servers:
             servers["sm-int4"].start()
-            wait_up({"sm-int4": servers["sm-int4"]}, t0 + a.budget - (230 if a.phase == "all" else 90))
+            wait_up({"sm-int4": servers["sm-int4"]}, t0 + a.budget - reserve - 60)
             for k in ("sm-hybrid", "sm-neg"):
                 servers[k].start()
-            states = wait_up(servers, t0 + a.budget - (150 if a.phase == "all" else 30))
-        else:
-            states = {}
+            states = wait_up(servers, t0 + a.budget - reserve)
         results = {}
         for k, s in servers.items():
             summary["cases"][k].update(state=states[k], ready_s=s.healthy_after, exit_code=s.exit_code)
