@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Real GPU, end to end: our merged checkpoint, our patch and our serve arguments on a real vLLM.
 
-    python3 tests/gpu/e2e.py --out DIR [--work DIR] [--budget SECONDS]     (make gpu-e2e)
+    python3 tests/gpu/e2e.py --out DIR [--work DIR] [--budget SECONDS] [--only LABELS]  (make gpu-e2e)
 
 On a host with a CUDA GPU where ``import vllm`` works (vLLM 0.20.0 here, the DFlash variant's base;
 0.19.1 needs torch 2.10 and cannot run beside torch 2.11), it
@@ -23,8 +23,11 @@ On a host with a CUDA GPU where ``import vllm`` works (vLLM 0.20.0 here, the DFl
      stock-hybrid    stock vLLM, baseline, our hybrid
      recipe-mtp      patched, mtp, the hybrid without the MTP index patch
      hybrid-mtp-int8 patched, mtp, INT8 LM head (SPARKLLM_LM_HEAD_INT8=1, what vllm_lm_head_int8 sets)
+     hybrid-eagle3   patched, eagle3 with the tiny drafter of tiny_eagle3.py (K=3; only with --only)
+   ``--only hybrid-base,hybrid-eagle3`` starts just those (the checks that need an absent server are
+   left out; default: the seven above without hybrid-eagle3);
 4. asks each the same completions at temperature 0 (with logprobs), runs ``scripts/bench.py run``
-   against hybrid-base, hybrid-mtp and hybrid-ngram, writes the report, and checks:
+   against hybrid-base, hybrid-mtp, hybrid-ngram (and hybrid-eagle3), writes the report, and checks:
      - patched: our log line counts the 12 shared-expert FP8 layers, no weight_scale_inv is
        skipped, and greedy tokens equal the INT4 checkpoint's with top-1 logprobs within LOGPROB_TOL;
      - stock on the same hybrid skips the scales and fails that same check;
@@ -36,7 +39,11 @@ On a host with a CUDA GPU where ``import vllm`` works (vLLM 0.20.0 here, the DFl
        tokens of hybrid-mtp-int8 equal hybrid-mtp's (agreement count and max logprob difference
        reported) and MTP acceptance over the probe requests stays >= MTP_MIN_ACCEPTANCE;
      - the runner's acceptance figures equal the deltas of the counters it recorded, and its last
-       snapshot equals an independent scrape taken after it finished.
+       snapshot equals an independent scrape taken after it finished;
+     - eagle3: tokens equal baseline's, position 0 accepted as the drafter is built, and the runner's
+       drafts, draft tokens, accepted tokens and per-position acceptance equal the deltas of our own
+       /metrics readings (a watcher scrapes every ~20 ms while the runner runs: the runner's first
+       snapshot must be one of its readings, its last the final one).
 Prints one JSON summary line (``E2E SUMMARY {...}``), writes DIR/summary.json; exit 0 when every
 check passed, 1 when one failed (each failure named), 2 usage.
 """
@@ -194,10 +201,11 @@ def patched_vllm(work: Path, stock_site: Path, version: str) -> tuple[Path, list
 # ------------------------------------------------------------------ servers
 class Server:
     def __init__(self, label: str, method: str, model: str, port: int, pythonpath: str, logs: Path,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, extra_settings: dict | None = None):
         self.label, self.method, self.model, self.port = label, method, model, port
         settings = dict(SETTING_DEFAULTS, spec_method=method, vllm_model_path=model, vllm_port=port,
                         **TEST_OVERRIDES, **HOST_SETTINGS)
+        settings.update(extra_settings or {})
         self.argv = spark_serve_argv(settings, load_catalogue())
         self.env = dict(os.environ, **HOST_ENV, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1",
                         VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **(extra_env or {}))
@@ -326,6 +334,86 @@ def runner_matches_counters(spec: dict, counters: dict, before: dict, after: dic
             "runner": {"drafts": spec.get("num_drafts"), "accepted": spec.get("num_accepted_tokens"),
                        "per_position": runner_pp},
             "counters": {"drafts": drafts, "accepted": accepted, "per_position": per_pos}}
+
+
+def _reading(scr: dict) -> dict:
+    """The spec-decode counters of one of our scrapes, in the runner's raw_counters shape."""
+    return {DRAFTS: scr.get(DRAFTS), DRAFT_TOKENS: scr.get(DRAFT_TOKENS), ACCEPTED: scr.get(ACCEPTED),
+            PER_POS: dict(scr.get("per_pos") or {})}
+
+
+class CounterWatch:
+    """Scrapes a server's /metrics every ``interval`` seconds in a thread and keeps each distinct
+    reading of the spec-decode counters, so the runner's snapshots can be looked up among readings
+    it did not take."""
+
+    def __init__(self, server: "Server", interval: float = 0.02):
+        import threading
+
+        self.server, self.interval = server, interval
+        self.readings: list[dict] = []
+        self.scrapes = 0
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = _reading(scrape(self.server))
+                self.scrapes += 1
+                if not self.readings or self.readings[-1] != r:
+                    self.readings.append(r)
+            except (OSError, ValueError):
+                self.errors += 1
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "CounterWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def runner_vs_own_readings(spec: dict, counters: dict, readings: list[dict], final: dict) -> dict:
+    """The runner's drafts, draft tokens, accepted tokens and per-position acceptance against the
+    deltas of OUR readings: its first snapshot must be one of our readings (taken while it ran), its
+    last must equal our final scrape; the deltas between those two readings of ours must give the
+    runner's figures."""
+    norm = lambda c: {k: (c or {}).get(k) for k in (DRAFTS, DRAFT_TOKENS, ACCEPTED)} | {  # noqa: E731
+        PER_POS: dict((c or {}).get(PER_POS) or {})}
+    b_run, e_run = norm(counters.get("before")), norm(counters.get("after"))
+    fin = _reading(final)
+    first = next((i for i, r in enumerate(readings) if r == b_run), None)
+    out: dict = {"readings": len(readings), "runner_first_snapshot_seen_at": first,
+                 "runner_last_snapshot_equals_our_final_scrape": e_run == fin}
+    if first is None:
+        out.update(ok=False, why="the runner's first snapshot is not among our readings")
+        return out
+    b = readings[first]
+    d = {k: (fin[k] or 0) - (b[k] or 0) for k in (DRAFTS, DRAFT_TOKENS, ACCEPTED)}
+    n = d[DRAFTS]
+    pos = sorted(fin[PER_POS], key=int)
+    acc_pos = {p: fin[PER_POS][p] - b[PER_POS].get(p, 0.0) for p in pos}
+    per_pos = [acc_pos[p] / n for p in pos] if n else None
+    rp = spec.get("per_position") or []
+    checks = {"drafts": spec.get("num_drafts") == d[DRAFTS],
+              "draft_tokens": spec.get("num_draft_tokens") == d[DRAFT_TOKENS],
+              "accepted_tokens": spec.get("num_accepted_tokens") == d[ACCEPTED],
+              "per_position": per_pos is not None and len(per_pos) == len(rp)
+              and all(abs(x - y) < 1e-12 for x, y in zip(per_pos, rp, strict=True))}
+    out.update(ok=bool(n) and all(checks.values()) and out["runner_last_snapshot_equals_our_final_scrape"],
+               equal=checks,
+               runner={"drafts": spec.get("num_drafts"), "draft_tokens": spec.get("num_draft_tokens"),
+                       "accepted_tokens": spec.get("num_accepted_tokens"), "per_position": rp,
+                       "acceptance_rate": spec.get("acceptance_rate"),
+                       "mean_acceptance_length": spec.get("mean_acceptance_length")},
+               our_deltas={"drafts": d[DRAFTS], "draft_tokens": d[DRAFT_TOKENS], "accepted_tokens": d[ACCEPTED],
+                           "accepted_per_position": acc_pos, "per_position": per_pos,
+                           "acceptance_rate": d[ACCEPTED] / d[DRAFT_TOKENS] if d[DRAFT_TOKENS] else None})
+    return out
 
 
 def compare(ref: list[dict], got: list[dict]) -> dict:
