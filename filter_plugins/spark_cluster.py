@@ -10,6 +10,8 @@ Pure Python (standard library only); Ansible only needs the ``FilterModule`` at 
   ``restrict``, the worker's link address, and one forced command (read-only rsync or one image export).
 - ``spark_link_roce_hcas``: the RoCE devices NCCL_IB_HCA names (derived from each link interface's
   ``/sys/class/net/IFACE/device/infiniband/*``, or the owner's list checked against them), or the error.
+- ``spark_ray_env_exclude``: the names of a node's cluster environment file, as the list vLLM reads from
+  ``VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json`` (names not to copy from the head onto Ray workers).
 - ``spark_nccl_transport``: which network NCCL chose, read from a server's log with ``NCCL_DEBUG=INFO``
   (``Using network IB`` over the RoCE devices, or a fallback to TCP sockets, with the reason the log gives).
 """
@@ -245,6 +247,21 @@ def spark_nccl_transport(log: str, hcas: Sequence[str] | str = ()) -> dict:
                       f"({len(networks)} communicators)"}
 
 
+_ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=", re.M)
+
+
+def spark_ray_env_exclude(env_text: str) -> list[str]:
+    """Every variable name a ``NAME=VALUE`` cluster environment file sets, unique and sorted.
+
+    vLLM's Ray executor copies the head's ``NCCL_*``/``UCX_*``/``VLLM_*`` variables onto every worker (0.19.1,
+    0.20.0, 0.26.0 ``vllm/ray/ray_env.py``); names in this list are left out, so each node keeps what its own
+    cluster file (its interface, its RoCE devices) gave its Ray unit. Comments and blank lines are skipped.
+    """
+    if not isinstance(env_text, str):
+        raise ValueError(f"expected the cluster environment file's text, got {type(env_text).__name__}")
+    return sorted(set(_ENV_LINE.findall(env_text)))
+
+
 class FilterModule:
     """Ansible filters of cluster access (ports, networks, key options)."""
 
@@ -256,4 +273,5 @@ class FilterModule:
             "spark_sync_key_options": spark_sync_key_options,
             "spark_nccl_transport": spark_nccl_transport,
             "spark_link_roce_hcas": spark_link_roce_hcas,
+            "spark_ray_env_exclude": spark_ray_env_exclude,
         }

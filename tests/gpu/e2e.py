@@ -304,6 +304,11 @@ def scrape(server: Server) -> dict:
     return out
 
 
+ALL_CASES = ("int4-ref", "hybrid-base", "hybrid-mtp", "hybrid-ngram", "stock-hybrid", "recipe-mtp",
+             "hybrid-mtp-int8", "hybrid-eagle3")
+DEFAULT_CASES = ALL_CASES[:-1]
+
+
 # ------------------------------------------------------------------ checks
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -327,7 +332,8 @@ def runner_matches_counters(spec: dict, counters: dict, before: dict, after: dic
                and len(per_pos) == len(runner_pp)
                and all(abs(x - y) < 1e-12 for x, y in zip(per_pos, runner_pp, strict=True)))
     last = (after.get(DRAFTS) == e.get(DRAFTS) and after.get(ACCEPTED) == e.get(ACCEPTED)
-            and after.get("per_pos") == pos_e)
+            and after.get("per_pos") == pos_e
+            and (DRAFT_TOKENS not in after or after.get(DRAFT_TOKENS) == e.get(DRAFT_TOKENS)))
     first = before.get(DRAFTS, 0.0) <= (b.get(DRAFTS) or 0)
     return {"ok": bool(figures and last and first and drafts), "figures_equal_deltas": figures,
             "last_snapshot_equals_our_scrape": last, "first_snapshot_not_before_ours": first,
@@ -347,7 +353,7 @@ class CounterWatch:
     reading of the spec-decode counters, so the runner's snapshots can be looked up among readings
     it did not take."""
 
-    def __init__(self, server: "Server", interval: float = 0.02):
+    def __init__(self, server: Server, interval: float = 0.01):
         import threading
 
         self.server, self.interval = server, interval
@@ -368,7 +374,7 @@ class CounterWatch:
                 self.errors += 1
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "CounterWatch":
+    def __enter__(self) -> CounterWatch:
         self._thread.start()
         return self
 
@@ -410,7 +416,8 @@ def runner_vs_own_readings(spec: dict, counters: dict, readings: list[dict], fin
                        "accepted_tokens": spec.get("num_accepted_tokens"), "per_position": rp,
                        "acceptance_rate": spec.get("acceptance_rate"),
                        "mean_acceptance_length": spec.get("mean_acceptance_length")},
-               our_deltas={"drafts": d[DRAFTS], "draft_tokens": d[DRAFT_TOKENS], "accepted_tokens": d[ACCEPTED],
+               our_deltas={"drafts": d[DRAFTS], "draft_tokens": d[DRAFT_TOKENS],
+                           "accepted_tokens": d[ACCEPTED],
                            "accepted_per_position": acc_pos, "per_position": per_pos,
                            "acceptance_rate": d[ACCEPTED] / d[DRAFT_TOKENS] if d[DRAFT_TOKENS] else None})
     return out
@@ -483,7 +490,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=360,
                     help="seconds to wait for the servers to come up (default 360)")
     ap.add_argument("--bench-max-tokens", type=int, default=128, help="bench.py --max-tokens (default 128)")
+    ap.add_argument("--only", default=",".join(DEFAULT_CASES),
+                    help=f"comma list of the servers to start, from {', '.join(ALL_CASES)} "
+                         "(default: all but hybrid-eagle3)")
     a = ap.parse_args(argv)
+    only = [c for c in a.only.split(",") if c]
+    if not only or any(c not in ALL_CASES for c in only):
+        print(f"e2e.py: --only takes labels from {', '.join(ALL_CASES)}", file=sys.stderr)
+        return 2
     t_start = time.monotonic()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -511,15 +525,25 @@ def main(argv: list[str] | None = None) -> int:
     stock_pp = os.pathsep.join([host["site"], os.environ.get("PYTHONPATH", "")])
     patched_pp = os.pathsep.join([str(patched), stock_pp])
     d = models["dirs"]
+    extra_settings: dict[str, dict] = {}
+    if "hybrid-eagle3" in only:
+        import tiny_eagle3
+
+        drafter = tiny_eagle3.generate(a.work / "eagle3", tokenizer_from=Path(d["hybrid"]))
+        extra_settings["hybrid-eagle3"] = {"spec_eagle3_drafter": drafter["path"]}
+        summary["eagle3_drafter"] = drafter
     cases = [("int4-ref", "baseline", d["int4"], patched_pp, None),
              ("hybrid-base", "baseline", d["hybrid"], patched_pp, None),
              ("hybrid-mtp", "mtp", d["hybrid"], patched_pp, None),
              ("hybrid-ngram", "ngram", d["hybrid"], patched_pp, None),
              ("stock-hybrid", "baseline", d["hybrid"], stock_pp, None),
              ("recipe-mtp", "mtp", d["recipe"], patched_pp, None),
-             ("hybrid-mtp-int8", "mtp", d["hybrid"], patched_pp, LM_HEAD_INT8_ENV)]
-    servers = {label: Server(label, method, model, 8101 + i, pp, a.out, env)
-               for i, (label, method, model, pp, env) in enumerate(cases)}
+             ("hybrid-mtp-int8", "mtp", d["hybrid"], patched_pp, LM_HEAD_INT8_ENV),
+             ("hybrid-eagle3", "eagle3", d["hybrid"], patched_pp, None)]
+    assert [c[0] for c in cases] == list(ALL_CASES)
+    servers = {label: Server(label, method, model, 8101 + i, pp, a.out, env, extra_settings.get(label))
+               for i, (label, method, model, pp, env) in enumerate(cases) if label in only}
+    summary["only"] = only
     for s in servers.values():
         s.start()
     log("started " + ", ".join(f"{s.label}:{s.port}" for s in servers.values()))
@@ -547,28 +571,38 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{k}: completions failed: {probe_errors[k]}")
         summary["probe_errors"] = probe_errors
         up = [k for k in results]
-        probe_counters = {k: scrape(servers[k]) for k in ("hybrid-mtp", "hybrid-mtp-int8") if k in results}
-        for k in ("int4-ref", "hybrid-base", "hybrid-mtp", "hybrid-ngram", "stock-hybrid", "hybrid-mtp-int8"):
+        probe_counters = {k: scrape(servers[k]) for k in ("hybrid-mtp", "hybrid-mtp-int8", "hybrid-eagle3")
+                          if k in results}
+        for k in ("int4-ref", "hybrid-base", "hybrid-mtp", "hybrid-ngram", "stock-hybrid", "hybrid-mtp-int8",
+                  "hybrid-eagle3"):
+            if k not in servers:
+                continue
             brief = {x: summary["servers"][k][x] for x in ("state", "ready_s", "exit_code")}
             check(f"{k} serves", k in up, brief)
         text = {k: s.log_text() for k, s in servers.items()}
-        fp8 = [int(x) for x in FP8_LINE.findall(text["hybrid-base"])]
-        check("patched: our log line counts the 12 shared-expert FP8 layers", fp8 == [12] * len(fp8) and fp8,
-              {"counts": fp8, "expected": models["merge"]["taken_from_fp8"]})
-        for k in ("hybrid-base", "hybrid-mtp", "hybrid-ngram"):
-            check(f"{k}: no FP8 scale skipped", not SKIP_LINE.search(text[k]),
-                  len(SKIP_LINE.findall(text[k])))
+        if "hybrid-base" in text:
+            fp8 = [int(x) for x in FP8_LINE.findall(text["hybrid-base"])]
+            check("patched: our log line counts the 12 shared-expert FP8 layers",
+                  fp8 == [12] * len(fp8) and fp8,
+                  {"counts": fp8, "expected": models["merge"]["taken_from_fp8"]})
+        for k in ("hybrid-base", "hybrid-mtp", "hybrid-ngram", "hybrid-eagle3"):
+            if k in text:
+                check(f"{k}: no FP8 scale skipped", not SKIP_LINE.search(text[k]),
+                      len(SKIP_LINE.findall(text[k])))
         for k in ("int4-ref", "hybrid-base"):
-            check(f"{k}: routed experts on the INT4 (Marlin WNA16) MoE path",
-                  bool(re.search(r"Using 'MARLIN' WNA16 MoE backend", text[k])),
-                  re.findall(r"Using '?\w+'? WNA16 MoE backend", text[k])[:2])
-        fp8_kernel = re.findall(r"Selected (\w+) for Fp8LinearMethod", text["hybrid-base"])
-        check("patched: shared experts on vLLM's FP8 linear method", bool(fp8_kernel), fp8_kernel[:2])
-        stock_skips = len(SKIP_LINE.findall(text["stock-hybrid"]))
-        check("stock: skips the FP8 scales (the bug)", stock_skips > 0, stock_skips)
+            if k in text:
+                check(f"{k}: routed experts on the INT4 (Marlin WNA16) MoE path",
+                      bool(re.search(r"Using 'MARLIN' WNA16 MoE backend", text[k])),
+                      re.findall(r"Using '?\w+'? WNA16 MoE backend", text[k])[:2])
+        if "hybrid-base" in text:
+            fp8_kernel = re.findall(r"Selected (\w+) for Fp8LinearMethod", text["hybrid-base"])
+            check("patched: shared experts on vLLM's FP8 linear method", bool(fp8_kernel), fp8_kernel[:2])
+        if "stock-hybrid" in text:
+            stock_skips = len(SKIP_LINE.findall(text["stock-hybrid"]))
+            check("stock: skips the FP8 scales (the bug)", stock_skips > 0, stock_skips)
         summary["kernel_lines"] = {k: sorted({m.strip()[:160] for m in re.findall(
             r"[^\n]*(?:Marlin|Fp8|FP8|MoE backend|Using \w+ backend)[^\n]*", text[k])})[:12]
-            for k in ("int4-ref", "hybrid-base", "stock-hybrid")}
+            for k in ("int4-ref", "hybrid-base", "stock-hybrid") if k in text}
         if "int4-ref" in results and "hybrid-base" in results:
             cmp = compare(results["int4-ref"], results["hybrid-base"])
             summary["figures"]["hybrid_vs_int4"] = cmp
@@ -585,13 +619,24 @@ def main(argv: list[str] | None = None) -> int:
             summary["figures"]["stock_vs_int4"] = cmp
             check("stock vLLM fails the same check on our hybrid", cmp["same_tokens"] < cmp["prompts"] // 2
                   or (cmp["max_abs_logprob_diff"] or 0) > LOGPROB_TOL, cmp)
-        for k in ("hybrid-mtp", "hybrid-ngram"):
+        for k in ("hybrid-mtp", "hybrid-ngram", "hybrid-eagle3"):
             if "hybrid-base" in results and k in results:
                 cmp = compare(results["hybrid-base"], results[k])
                 summary["figures"][f"{k}_vs_baseline"] = cmp
                 check(f"{k}: same greedy tokens as baseline (lossless)",
                       cmp["same_tokens"] >= len(PROMPTS) - 1, f"{cmp['same_tokens']}/{cmp['prompts']}")
-        check_lm_head_int8(check, summary, text, results, probe_counters)
+        if "hybrid-mtp" in text and "hybrid-mtp-int8" in text:
+            check_lm_head_int8(check, summary, text, results, probe_counters)
+        if "hybrid-eagle3" in results:
+            m = probe_counters["hybrid-eagle3"]
+            drafts = m.get(DRAFTS) or 0
+            p0 = (m.get("per_pos") or {}).get("0", 0.0) / drafts if drafts else None
+            fig = {"drafts": m.get(DRAFTS), "draft_tokens": m.get(DRAFT_TOKENS), "accepted": m.get(ACCEPTED),
+                   "accepted_per_pos": m.get("per_pos"), "acceptance": acceptance(m),
+                   "position_0": None if p0 is None else round(p0, 4)}
+            summary["figures"]["eagle3_probe"] = fig
+            check("eagle3: drafts counted, position 0 accepted as the drafter is built (>= 0.8)",
+                  bool(drafts) and p0 is not None and p0 >= 0.8, fig)
         if "hybrid-base" in results:
             tool = {"type": "function", "function": {
                 "name": "get_weather", "description": "weather of a city",
@@ -606,8 +651,8 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError, KeyError) as e:
                 tool_ok, detail = False, f"{type(e).__name__}: {e}"
             check("tool calling: a request with tools is served (was HTTP 400)", tool_ok, detail)
-        rec = servers["recipe-mtp"]
-        summary["recipe_without_mtp_index_patch"] = {
+        rec = servers.get("recipe-mtp")
+        summary["recipe_without_mtp_index_patch"] = None if rec is None else {
             "state": states["recipe-mtp"], "exit_code": rec.exit_code,
             "error": [ln[:300] for ln in text["recipe-mtp"].splitlines()
                       if re.search(r"Error|error:|missing|not found", ln)][-4:],
@@ -619,12 +664,14 @@ def main(argv: list[str] | None = None) -> int:
                 drafts=m.get(DRAFTS), draft_tokens=m.get(DRAFT_TOKENS), accepted=m.get(ACCEPTED),
                 same_tokens_as_baseline=compare(results["hybrid-base"], results["recipe-mtp"])["same_tokens"]
                 if "hybrid-base" in results else None)
-        check("recipe variant (no MTP index patch) outcome recorded", True,
-              summary["recipe_without_mtp_index_patch"])
+        if rec is not None:
+            check("recipe variant (no MTP index patch) outcome recorded", True,
+                  summary["recipe_without_mtp_index_patch"])
 
         # bench.py run against the three hybrid servers, one after the other
         runs = a.out / "runs"
-        for k in ("hybrid-base", "hybrid-mtp", "hybrid-ngram"):
+        # hybrid-eagle3 first: started only with --only, where its runner check is the point
+        for k in ("hybrid-eagle3", "hybrid-base", "hybrid-mtp", "hybrid-ngram"):
             if k not in results:
                 continue
             s = servers[k]
@@ -633,13 +680,15 @@ def main(argv: list[str] | None = None) -> int:
                 check(f"{k}: bench run", False, f"no time left ({left:.0f} s)")
                 continue
             before = scrape(s)
-            label = {"hybrid-base": "baseline", "hybrid-mtp": "mtp", "hybrid-ngram": "ngram"}[k]
+            label = {"hybrid-base": "baseline", "hybrid-mtp": "mtp", "hybrid-ngram": "ngram",
+                     "hybrid-eagle3": "eagle3"}[k]
             meta = {"speculative_config": json.loads(s.argv[s.argv.index("--speculative-config") + 1])
                     if "--speculative-config" in s.argv else None, "serve_argv": s.argv, "gpu": host["gpu"]}
-            r = run([sys.executable, str(ROOT / "scripts/bench.py"), "run", "--base-url", s.url,
-                     "--model", "tiny", "--label", label, "--out", str(runs), "--warmup", "1",
-                     "--max-tokens", str(a.bench_max_tokens), "--category", "chat_qa,code,json,math",
-                     "--quiet", "--meta-json", json.dumps(meta)], timeout=max(30, left - 15))
+            with CounterWatch(s) as watch:
+                r = run([sys.executable, str(ROOT / "scripts/bench.py"), "run", "--base-url", s.url,
+                         "--model", "tiny", "--label", label, "--out", str(runs), "--warmup", "1",
+                         "--max-tokens", str(a.bench_max_tokens), "--category", "chat_qa,code,json,math",
+                         "--quiet", "--meta-json", json.dumps(meta)], timeout=max(30, left - 15))
             after = scrape(s)
             docs = sorted(runs.glob(f"*-{label}-*.json")) if runs.exists() else []
             if r.returncode or not docs:
@@ -661,7 +710,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             agree = runner_matches_counters(sp, counters, before, after)
             check(f"{k}: runner's acceptance = /metrics deltas of its measured phase", agree["ok"], agree)
+            own = runner_vs_own_readings(sp, counters, watch.readings, after)
+            own.update(scrapes=watch.scrapes, scrape_errors=watch.errors)
+            summary["figures"][f"bench-{label}"]["runner_vs_own_readings"] = own
+            check(f"{k}: runner's drafts, draft tokens, accepted, per position = deltas of our own readings",
+                  own["ok"], own)
             drafts = agree["counters"]["drafts"]
+            if label == "eagle3":
+                pp0 = (sp.get("per_position") or [None])[0]
+                check("eagle3 bench: position 0 accepted as the drafter is built (>= 0.8)",
+                      bool(drafts) and pp0 is not None and pp0 >= 0.8,
+                      {"drafts": drafts, "per_position": sp.get("per_position"),
+                       "acceptance_rate": sp.get("acceptance_rate")})
             if label == "mtp":
                 rate = sp.get("acceptance_rate")
                 check("mtp: drafts counted and accepted", bool(drafts) and rate is not None

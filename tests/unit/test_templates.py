@@ -129,6 +129,8 @@ def serve_ctx(tmp_path: Path, method: str = "mtp", cluster_env: str = "") -> dic
         spec_method=method,
         serve_unit_method=method,
         serve_cluster_env_file=cluster_env,
+        serve_ray_env_exclude_file="/etc/sparkllm/vllm-ray-env-exclude.json",
+        _serve_ray_backend=bool(cluster_env),
         spark_cluster_rdma=True,
         serve_config_dir=str(tmp_path),
         serve_docker_bin=str(tmp_path / "docker"),
@@ -193,6 +195,19 @@ def test_vllm_unit_reads_the_cluster_env_when_there_is_one(tmp_path: Path) -> No
     assert "--env-file /etc/sparkllm/cluster.env" in unit_value(unit, "ExecStart")[0]
     single = render("sparkllm-vllm.service.j2", **serve_ctx(tmp_path, "dflash"))
     assert "cluster.env" not in single and "ray" not in single.lower()
+
+
+def test_head_server_keeps_vllm_from_copying_the_heads_link_settings(tmp_path: Path) -> None:
+    """vLLM reads VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json (default ~/.config/vllm) in the server's
+    process; the head's container gets the cluster stage's list there, read-only, only on the Ray backend."""
+    ctx = serve_ctx(tmp_path, "mtp", "/etc/sparkllm/cluster.env")
+    got = container_args(tmp_path, ctx)
+    mounts = [got[i + 1] for i, a in enumerate(got) if a == "--volume"]
+    assert ("/etc/sparkllm/vllm-ray-env-exclude.json:/root/.config/vllm/ray_non_carry_over_env_vars.json:ro"
+            in mounts)
+    ctx.update(_serve_ray_backend=False)  # multi-node mp: no Ray propagation, no file written
+    assert not any("ray_non_carry_over" in m for m in
+                   [a for a in container_args(tmp_path, ctx) if ":" in a])
 
 
 def container_args(tmp_path: Path, ctx: dict[str, Any]) -> list[str]:

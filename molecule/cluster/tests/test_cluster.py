@@ -12,6 +12,8 @@ from pathlib import Path
 from playbook_runner import PROJECT, run_playbook
 
 HEAD_IP, WORKER_IP = "10.213.77.10", "10.213.77.11"
+# the link port's name on each box (prepare.yml renames the worker's: the cable on different ports)
+LINK = {"cluster-head": "eth0", "cluster-worker": "enp1s0f1np1"}
 RAY = "/opt/sparkllm/ray-venv/bin/ray"
 MODEL = "/srv/models/cluster-test"
 
@@ -43,10 +45,11 @@ def test_ray_units_active_enabled_and_valid(head, worker):
 
 
 def test_cluster_env_derived_from_the_link_interface(head, worker):
-    for node, ip in ((head, HEAD_IP), (worker, WORKER_IP)):
+    for node, ip, name in ((head, HEAD_IP, "cluster-head"), (worker, WORKER_IP, "cluster-worker")):
+        iface = LINK[name]
         env = _env(node)
         for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "UCX_NET_DEVICES"):
-            assert env[name] == "eth0"
+            assert env[name] == iface
         # spark_cluster_rdma=false on the test bed: TCP said explicitly, no RoCE device named, no NCCL_DEBUG
         assert env["NCCL_IB_DISABLE"] == "1" and "NCCL_IB_HCA" not in env and "NCCL_DEBUG" not in env
         assert env["VLLM_HOST_IP"] == ip
@@ -55,7 +58,7 @@ def test_cluster_env_derived_from_the_link_interface(head, worker):
         unit = "sparkllm-ray-head" if node is head else "sparkllm-ray-worker"
         pid = node.check_output(f"systemctl show -p MainPID --value {unit}")
         environ = node.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
-        assert "NCCL_SOCKET_IFNAME=eth0" in environ and f"VLLM_HOST_IP={ip}" in environ
+        assert f"NCCL_SOCKET_IFNAME={iface}" in environ and f"VLLM_HOST_IP={ip}" in environ
 
 
 def test_head_serve_arguments_span_both_nodes(head, worker):
@@ -128,7 +131,8 @@ def test_wrong_link_mtu_is_named(monkeypatch):
     result = run_playbook("playbooks/cluster-health.yml", {"spark_link_mtu": 9100})
     assert result.rc != 0
     for node in ("cluster-head", "cluster-worker"):
-        assert f"{node}: link interface eth0 has MTU 9000, expected 9100" in result.output, result.output
+        expected = f"{node}: link interface {LINK[node]} has MTU 9000, expected 9100"
+        assert expected in result.output, result.output
 
 
 # ------------------------------------------------------------------ access: keys and firewall
@@ -312,6 +316,24 @@ def test_the_servers_environment_reaches_a_ray_worker_on_the_other_node(head, wo
                           "SPARKLLM_TEST_OWNER_ENV": "cluster", "CUDA_CACHE_MAXSIZE": "4294967296"}
     unit = worker.file("/etc/systemd/system/sparkllm-ray-worker.service").content_string
     assert "Environment=SPARKLLM_LM_HEAD_INT8=1" in unit
+
+
+def test_each_node_keeps_its_own_link_settings_against_vllms_copy(head, worker):
+    """vLLM copies the head server's NCCL_*/UCX_* onto every Ray worker unless they are listed in
+    VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json (tests/contract/test_ray_env_contract.py asks each
+    release). The head's list holds every name of its cluster file; a Ray task on the worker sees the worker's
+    own interface, which differs from the head's here."""
+    names = json.loads(head.file("/etc/sparkllm/vllm-ray-env-exclude.json").content_string)
+    assert names == sorted(_env(head))
+    assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES", "NCCL_IB_DISABLE"} <= set(names)
+    assert not worker.file("/etc/sparkllm/vllm-ray-env-exclude.json").exists  # read by the head's server only
+    head.check_output(f"cat > /tmp/worker_env.py <<'EOF'\n{_WORKER_ENV_SNIPPET}EOF")
+    out = head.check_output(f"env -i PATH=/usr/bin:/bin /opt/sparkllm/ray-venv/bin/python /tmp/worker_env.py "
+                            f"{HEAD_IP}:6379 {WORKER_IP} NCCL_SOCKET_IFNAME UCX_NET_DEVICES")
+    got = json.loads(out.strip().splitlines()[-1])
+    own = LINK["cluster-worker"]
+    assert got["env"] == {"NCCL_SOCKET_IFNAME": own, "UCX_NET_DEVICES": own}
+    assert _env(head)["NCCL_SOCKET_IFNAME"] != got["env"]["NCCL_SOCKET_IFNAME"]
 
 
 def test_rdma_on_a_link_without_roce_is_refused_naming_the_interface(head, monkeypatch):
