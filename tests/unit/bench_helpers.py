@@ -22,8 +22,8 @@ def write_prompts(path: Path, n_per_cat: int = 2, cats: tuple[str, ...] = ("code
 
 def run_against(cfg: Config, tmp: Path, *, label: str = "x", max_tokens: int = 13, repeats: int = 1,
                 concurrency: int = 1, warmup: int = 1, meta: dict[str, Any] | None = None,
-                sample_interval: float = 0.05) -> tuple[dict[str, Any], StandinServer]:
-    prompts = write_prompts(tmp / "p.jsonl")
+                sample_interval: float = 0.05, n_per_cat: int = 2) -> tuple[dict[str, Any], StandinServer]:
+    prompts = write_prompts(tmp / "p.jsonl", n_per_cat=n_per_cat)
     with StandinServer(cfg) as srv:
         opts = bench_runner.RunOptions(base_url=srv.base_url, model=cfg.model, label=label, out=tmp / "out",
                                        prompts=prompts, repeats=repeats, warmup=warmup,
