@@ -477,8 +477,8 @@ def outputs_table(stats: Sequence[Any]) -> list[str]:
         lines.append(f"| {m.label} | {where} | {o['compared']} | {o['differing']} "
                      f"| {o['identical_share']:.2f} "
                      f"| {o['median_prefix_share']:.2f} | {floor} | {o['p_value']:.2g} "
-                     f"| {o['critical']} differing | {fmt(o['first_divergence_min'])} / "
-                     f"{fmt(o['first_divergence_median'])} "
+                     f"| {o['critical']} differing | {fmt(o['first_divergence_min'], 0)} / "
+                     f"{fmt(o['first_divergence_median'], 0)} "
                      f"| {OUTPUTS_DIFFER.upper() if o['differs'] else 'same as baseline'} |")
     n = min(m.outputs["compared"] for m in checked_rows)
     need = {e: prompts_needed(e) for e in (0.05, 0.10, 0.25)}

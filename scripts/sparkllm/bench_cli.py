@@ -59,6 +59,7 @@ from sparkllm.bench_store import (
     RUN_COLUMNS,
     STORE_NAME,
     atomic_write_json,
+    check_store,
     find_run,
     import_runs,
     open_store,
@@ -332,6 +333,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     store = Path(a.dir)
     if not (store / STORE_NAME).is_file():
         raise UsageError(f"{store}: holds no {STORE_NAME}; pass the results store directory")
+    check_store(store / STORE_NAME)  # before the export directory is made
     out = Path(a.out) if a.out else store / "export"
     try:
         check_output_dir(out, "bench.py export", flag="--out")
