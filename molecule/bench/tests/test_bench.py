@@ -153,7 +153,8 @@ def test_single_method_deploy_compares_with_an_earlier_baseline(host, tmp_path):
     try:
         res = run_playbook("playbooks/bench.yml", {
             "bench_results_dir": str(store), "bench_remote_dir": "/var/lib/sparkllm/results-verdict",
-            "bench_concurrency": "1", "bench_depth": "0", "bench_request_rate": ""})
+            "bench_concurrency": "1", "bench_depth": "0", "bench_request_rate": "",
+            "bench_depth_text_file": ""})
     finally:
         host.run("rm -rf /var/lib/sparkllm/results-verdict")
         if saved is not None:
