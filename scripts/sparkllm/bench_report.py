@@ -415,7 +415,7 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
     for tick, m in zip(ax.get_xticklabels(), stats, strict=True):
         if (m.base_label, m.config_hash) in bad:
             tick.set_color("red")
-    ax.set_ylabel("decode tok/s per request (whiskers p5-p95)")
+    ax.set_ylabel("decode tok/s per request\n(whiskers p5-p95)")
     ax.set_title("Decode speed distribution per method")
     _save(fig, plt, out / "decode_tok_s.png")
     names.append("decode_tok_s.png")
