@@ -46,7 +46,9 @@ events); the runner's artifacts (stdout, events) are kept under ``DIR/runner/<la
 The report is ``DIR/report/report.md`` (``bench.py report``).
 
 Exit codes: 0 every cell ran and recorded a valid run; 1 a cell failed (or --leave-best failed);
-2 usage error (unknown method, a method whose requirements are not met, bad --extra-vars).
+2 usage error (unknown method, a method whose requirements are not met, bad --extra-vars, a results
+store that is not one). ``--leave-best`` chooses only among methods whose outputs were compared with a
+``baseline`` run (``--allow-unchecked`` lifts that); with none it refuses (exit 1) and says why.
 
 The ansible-runner call is injectable (``Sweep(runner=...)``) so tests replace it with a fake.
 """
@@ -400,6 +402,8 @@ class SweepResult:
     report: Path | None = None
     best: CellConfig | None = None
     best_decode_median: float | None = None
+    best_checked: bool = True  # the best row's outputs were compared with a baseline run
+    unchecked: list[str] = field(default_factory=list)  # rows left out of the choice: outputs never checked
 
 
 @dataclass
@@ -416,6 +420,8 @@ class Sweep:
     optimise_concurrency: int = 1  # the level whose best row is "best" (bench_analysis.best_row)
     optimise_rate: float | None = None  # or the offered rate whose best row is "best" (best_rate_row)
     load: LoadPoints = field(default_factory=LoadPoints)
+    allow_unchecked: bool = False  # may the best be a row whose outputs were never compared with a baseline
+    baseline: str = "baseline"
 
     def missing(self, cell: Cell, done: set[tuple[str, int, int | None, float | None, int]]) -> list[Point]:
         """The load points of this cell that the store holds no valid run for."""
@@ -479,10 +485,13 @@ class Sweep:
         res.report, stats = bench_report.make_report(self.results_dir, charts=self.charts)
         by_hash = {c.config_hash: c for c in self.configs}
         ours = [s for s in stats if s.config_hash in by_hash]
-        top = (bench_analysis.best_rate_row(ours, self.optimise_rate) if self.optimise_rate is not None
-               else bench_analysis.best_row(ours, self.optimise_concurrency))
+        only = None if self.allow_unchecked else self.baseline
+        top = (bench_analysis.best_rate_row(ours, self.optimise_rate, only) if self.optimise_rate is not None
+               else bench_analysis.best_row(ours, self.optimise_concurrency, only))
+        res.unchecked = sorted({s.base_label for s in ours if not bench_analysis.checked(s, self.baseline)})
         if top is not None:
             res.best, res.best_decode_median = by_hash[top.config_hash], top.decode["median"]
+            res.best_checked = bench_analysis.checked(top, self.baseline)
 
     def leave_best(self, best: CellConfig) -> RunOutcome:
         return self.runner(self.request(Cell(best, 0), tags=SERVE_TAGS))
@@ -512,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results directory (store, report/, runner/)")
     p.add_argument("--leave-best", action="store_true",
                    help="rerun the serve stage for the best config (valid runs, outputs same as baseline)")
+    p.add_argument("--allow-unchecked", action="store_true",
+                   help="let --leave-best and the best configuration be a method whose outputs were never "
+                        "compared with a baseline run (default: such methods are left out of the choice)")
     p.add_argument("--optimise-concurrency", type=int, default=1,
                    help="the concurrency level the best configuration is chosen at")
     p.add_argument("--optimise-rate", type=float, default=None,
@@ -554,7 +566,7 @@ def main(argv: list[str] | None = None, runner: Runner | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return _main(a, runner)
-    except UsageError as exc:
+    except (UsageError, bench_cli.UsageError) as exc:
         print(f"sweep.py: error: {exc}", file=sys.stderr)
         return 2
 
@@ -592,16 +604,27 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
     ks = parse_k(a.k, settings.get("spark_method_catalogue") or {})
     sw = Sweep(expand_grid(methods, a.mtp_k, extra, known, ks), a.repeats, Path(a.results).resolve(),
                inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet,
-               optimise_concurrency=a.optimise_concurrency, optimise_rate=a.optimise_rate, load=load)
+               optimise_concurrency=a.optimise_concurrency, optimise_rate=a.optimise_rate, load=load,
+               allow_unchecked=a.allow_unchecked)
     res = sw.run()
     print(f"ran {len(res.ran)}, skipped {len(res.skipped)} (already recorded), failed {len(res.failed)}")
     for cell, why in res.failed:
         print(f"  FAILED {cell.config.label} rep {cell.repetition}: {why}")
     if res.report:
         print(f"report: {res.report}")
+    if res.unchecked:
+        verb = "may be chosen (--allow-unchecked)" if a.allow_unchecked else "left out of the choice"
+        print(f"outputs not checked (no baseline run to compare with), {verb}: {', '.join(res.unchecked)}; "
+              f"add baseline to --methods to check them")
+    if a.leave_best and res.best is None and res.unchecked and not a.allow_unchecked:
+        print("sweep.py: error: --leave-best refused: no configuration's outputs were compared with a "
+              "baseline run, so a method that garbles answers cannot be told from a right one; add baseline "
+              "to --methods, or pass --allow-unchecked to choose among unchecked methods", file=sys.stderr)
+        return 1
     if res.best:
         print(f"best configuration: {res.best.label} (spec_method={res.best.method}, "
-              f"spec_num_speculative_tokens={res.best.k}, median decode {res.best_decode_median:.2f} tok/s)")
+              f"spec_num_speculative_tokens={res.best.k}, median decode {res.best_decode_median:.2f} tok/s"
+              + ("" if res.best_checked else "; OUTPUTS NOT CHECKED") + ")")
         if a.leave_best:
             out = sw.leave_best(res.best)
             print(f"left {res.best.label} serving: {out.status}"

@@ -59,6 +59,7 @@ from sparkllm.bench_store import (
     RUN_COLUMNS,
     STORE_NAME,
     atomic_write_json,
+    check_store,
     find_run,
     import_runs,
     open_store,
@@ -299,6 +300,28 @@ def cmd_fetch_prompts(a: argparse.Namespace) -> int:
     return 0
 
 
+# runs.csv columns after the store's: the outputs verdict (reference, same, differs, not checked, invalid),
+# K and the per-position acceptance ("0.800/0.400"), so a sort by speed shows what is wrong beside it
+EXPORT_RUN_EXTRA = ("verdict", "k", "per_position_acceptance")
+
+
+def run_verdicts(store: Path, baseline: str) -> dict[str, str]:
+    """run id -> the outputs verdict of its report row (bench_analysis.verdict_word), as the report
+    decides it now."""
+    from sparkllm import bench_analysis, bench_report  # controller only (matplotlib is not imported)
+
+    stats = bench_report.method_table(bench_report.load_runs(store), baseline)
+    bench_analysis.output_checks(stats, baseline, bench_report.pair_runs)
+    return {r.run_id: bench_analysis.verdict_word(m, baseline) for m in stats for r in m.runs}
+
+
+def _export_extra(doc: dict[str, Any], verdict: str | None) -> tuple[Any, ...]:
+    spec = doc.get("spec") or {}
+    pos = spec.get("per_position") or []
+    return (verdict or ("invalid" if not doc.get("valid") else "not checked"),
+            spec.get("num_speculative_tokens"), "/".join(f"{x:.3f}" for x in pos))
+
+
 def cmd_export(a: argparse.Namespace) -> int:
     """runs.csv (one line per run) and requests.csv (one per request, with its output) from a store."""
     import csv
@@ -310,6 +333,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     store = Path(a.dir)
     if not (store / STORE_NAME).is_file():
         raise UsageError(f"{store}: holds no {STORE_NAME}; pass the results store directory")
+    check_store(store / STORE_NAME)  # before the export directory is made
     out = Path(a.out) if a.out else store / "export"
     try:
         check_output_dir(out, "bench.py export", flag="--out")
@@ -319,13 +343,20 @@ def cmd_export(a: argparse.Namespace) -> int:
     write_marker(out, "bench.py export")
     conn = open_store(store)
     try:
+        verdicts = run_verdicts(store, a.baseline)
         tables = (("runs", [c for c in RUN_COLUMNS if c != "doc"]), ("requests", list(REQUEST_COLUMNS)))
         for table, cols in tables:
             buf = io.StringIO()
             w = csv.writer(buf)
-            w.writerow(cols)
-            sql = f"SELECT {','.join(cols)} FROM {table} ORDER BY run_id"
-            w.writerows(tuple(r) for r in conn.execute(sql))
+            extra = list(EXPORT_RUN_EXTRA) if table == "runs" else []
+            w.writerow(cols + extra)
+            sql = f"SELECT {','.join(cols + (['doc'] if extra else []))} FROM {table} ORDER BY run_id"
+            for r in conn.execute(sql):
+                row = tuple(r)
+                if extra:
+                    doc = json.loads(row[-1])
+                    row = (*row[:-1], *_export_extra(doc, verdicts.get(doc["run_id"])))
+                w.writerow(row)
             write_bytes_atomic(out / f"{table}.csv", buf.getvalue().encode("utf-8"))
     finally:
         conn.close()
@@ -338,9 +369,12 @@ def cmd_report(a: argparse.Namespace) -> int:
     if not store.is_dir():
         raise UsageError(f"{store}: not a directory; pass the results store directory "
                          f"(it holds {STORE_NAME})")
+    from sparkllm.bench_analysis import summary_lines
     from sparkllm.bench_report import make_report  # controller only: the run side never imports it
 
     path, stats = make_report(store, Path(a.out) if a.out else None, a.baseline, not a.no_charts)
+    for line in summary_lines(stats, a.baseline):
+        print(line)
     print(f"wrote {path}")
     return 0
 
@@ -422,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("dir", help="results store directory")
     ex.add_argument("--csv", action="store_true", required=True, help="write CSV (the only format)")
     ex.add_argument("--out", default=None, help="directory for the CSV files (default: DIR/export)")
+    ex.add_argument("--baseline", default="baseline",
+                    help="label of the baseline method (the verdict column compares with it)")
     ex.set_defaults(func=cmd_export)
     f = parser("fetch-prompts", "download + verify + convert an external prompt set")
     f.add_argument("--source", required=True, choices=("specbench",), help="prompt source")

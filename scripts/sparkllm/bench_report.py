@@ -49,7 +49,8 @@ class RunRow:
 
     @property
     def context(self) -> str:
-        """What a comparison must hold equal: load, token budget, sampling, model, prompts, topology."""
+        """What a comparison must hold equal: load, token budget, sampling, model and its checkpoint (the
+        manifest's sha256 the serve stage records), prompts, topology."""
         m = self.doc.get("meta", {})
         s = m.get("sampling") or {}
         p = m.get("prompts") or {}
@@ -57,7 +58,8 @@ class RunRow:
                "temperature": s.get("temperature"), "thinking": s.get("thinking"), "model": m.get("model"),
                "prompts": p.get("sha256"), "categories": p.get("category_filter"),
                "topology": m.get("topology"), "input_depth": m.get("input_depth") or None,
-               "request_rate": m.get("request_rate"), "goodput_targets": m.get("goodput_targets_ms")}
+               "request_rate": m.get("request_rate"), "goodput_targets": m.get("goodput_targets_ms"),
+               "checkpoint": m.get("model_manifest_sha256")}
         if m.get("input_depth"):  # a depth built from another text is another context
             ctx["filler"] = (m.get("depth") or {}).get("filler_sha256")
         return json.dumps(ctx, sort_keys=True, default=str)
@@ -322,7 +324,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
              "runs of each method. Speedup = geometric mean of paired run-median ratios vs "
              f"`{baseline}` (pairs by repetition index, else closest start time) with a 95 % t-interval. "
              "\"Peak\" is only the labelled p95/max of per-request decode tok/s.", "",
-             *bench_analysis.recommendation_lines(stats), "",
+             *bench_analysis.recommendation_lines(stats, baseline), "",
              "## Method comparison", "",
              "| method | runs | requests | decode tok/s median | p5-p95 | mean (95% CI of run medians) | CV "
              "| peak (p95 / max) | speedup vs baseline [95% CI] | TTFT median s | mean acceptance length "
@@ -378,37 +380,67 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
     return "\n".join(lines) + "\n"
 
 
+def _mark(m: MethodStats, bad: set[tuple[str, str | None]], baseline: str) -> str:
+    """What a chart says beside a row: its configuration's outputs differ (at any load point), or were
+    never checked."""
+    if (m.base_label, m.config_hash) in bad:
+        return " [outputs differ]"
+    return "" if bench_analysis.checked(m, baseline) else " [not checked]"
+
+
+def _save(fig: Any, plt: Any, path: Path) -> None:
+    """Legends sit outside the axes (they cover nothing); the saved image grows to hold them."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _legend(ax: Any) -> None:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, borderaxespad=0.0)
+
+
 def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[str]:
     import matplotlib  # controller only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    bad = bench_analysis._differing(stats)
     names: list[str] = []
-    labels = [m.label for m in stats]
+    labels = [m.label + _mark(m, bad, baseline) for m in stats]
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(stats)), 4))
     data = [[x for r in m.runs for x in r.decode] or [0.0] for m in stats]
     ax.boxplot(data, whis=(5, 95), showmeans=True)
-    ax.set_xticks(range(1, len(labels) + 1), labels)
-    ax.set_ylabel("decode tok/s per request (whiskers p5-p95)")
+    ax.set_xticks(range(1, len(labels) + 1), labels, rotation=30 if len(stats) > 3 else 0, ha="right")
+    for tick, m in zip(ax.get_xticklabels(), stats, strict=True):
+        if (m.base_label, m.config_hash) in bad:
+            tick.set_color("red")
+    ax.set_ylabel("decode tok/s per request\n(whiskers p5-p95)")
     ax.set_title("Decode speed distribution per method")
-    fig.tight_layout()
-    fig.savefig(out / "decode_tok_s.png", dpi=100)
-    plt.close(fig)
+    _save(fig, plt, out / "decode_tok_s.png")
     names.append("decode_tok_s.png")
+    # one line per configuration (its rows at every load point averaged): per-position acceptance is a
+    # property of the drafter, and one line per row drew several lines on top of each other
     fig, ax = plt.subplots(figsize=(5, 4))
+    lines: dict[tuple[str, str | None], list[MethodStats]] = {}
     for m in stats:
         if m.per_position:
-            ax.plot(range(1, len(m.per_position) + 1), m.per_position, marker="o", label=m.label)
+            lines.setdefault((m.base_label, m.config_hash), []).append(m)
+    longest = 1
+    for (label, _), ms in lines.items():
+        pos = _mean_positions([m.per_position for m in ms]) or []
+        longest = max(longest, len(pos))
+        mark = _mark(ms[0], bad, baseline)
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=label + mark,
+                **({"color": "red", "ls": "--"} if "differ" in mark else {}))
     ax.set_xlabel("draft position")
+    ax.set_xticks(range(1, longest + 1))
     ax.set_ylabel("acceptance p_i = A_i / N")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by position")
-    if any(m.per_position for m in stats):
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_by_position.png", dpi=100)
-    plt.close(fig)
+    if lines:
+        _legend(ax)
+    _save(fig, plt, out / "acceptance_by_position.png")
     names.append("acceptance_by_position.png")
     rows = {m.label: m for m in stats}
     cats = sorted({c for m in stats for c in m.by_cat})
@@ -418,16 +450,16 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
     for j, m in enumerate(others):
         base = rows.get(m.baseline_row) if m.baseline_row else None
         ys = [(m.by_cat.get(c) or 0) / b if base and (b := base.by_cat.get(c)) else 0 for c in cats]
-        ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m.label)
+        mark = _mark(m, bad, baseline)
+        ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m.label + mark,
+               **({"hatch": "//", "edgecolor": "red"} if "differ" in mark else {}))
     ax.axhline(1.0, color="grey", lw=1)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel(f"speedup vs {baseline} (category medians)")
     ax.set_title("Speedup per category")
     if others:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "speedup_by_category.png", dpi=100)
-    plt.close(fig)
+        _legend(ax)
+    _save(fig, plt, out / "speedup_by_category.png")
     names.append("speedup_by_category.png")
     closed = [m for m in stats if json.loads(m.context).get("request_rate") is None]
     if len({json.loads(m.context).get("concurrency") for m in closed}) > 1:
@@ -436,12 +468,12 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
         for m in closed:
             c = json.loads(m.context)
             name = (f"{m.base_label}" + (f" d={c['input_depth']}" if c.get("input_depth") else "")
-                    + (" [outputs differ]" if m.differs else ""))
+                    + _mark(m, bad, baseline))
             point = (c.get("concurrency") or 1, m.decode["median"], m.aggregate_tok_s)
             series.setdefault(name, []).append(point)
         for j, (name, pts) in enumerate(sorted(series.items())):
             pts.sort()
-            color = f"C{j % 10}"
+            color = "red" if "differ" in name else f"C{j % 10}"
             ax.plot([p[0] for p in pts], [p[1] or 0 for p in pts], marker="o", color=color,
                     label=f"{name} per stream")
             ax.plot([p[0] for p in pts], [p[2] or 0 for p in pts], marker="s", ls="--", color=color,
@@ -450,17 +482,17 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
         ax.set_ylabel("decode tok/s")
         ax.set_xticks(sorted({p[0] for pts in series.values() for p in pts}))
         ax.set_title("tok/s against concurrency")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "tok_s_vs_concurrency.png", dpi=100)
-        plt.close(fig)
+        _legend(ax)
+        _save(fig, plt, out / "tok_s_vs_concurrency.png")
         names.append("tok_s_vs_concurrency.png")
-    if _goodput_chart(plt, [m for m in stats if json.loads(m.context).get("request_rate") is not None], out):
+    rated = [m for m in stats if json.loads(m.context).get("request_rate") is not None]
+    if _goodput_chart(plt, rated, out, bad, baseline):
         names.append("goodput_vs_rate.png")
     return names
 
 
-def _goodput_chart(plt: Any, rated: list[MethodStats], out: Path) -> bool:
+def _goodput_chart(plt: Any, rated: list[MethodStats], out: Path, bad: set[tuple[str, str | None]],
+                   baseline: str) -> bool:
     """Goodput (completed rate without targets) against the offered rate, one line per method and depth;
     only when two rates or more were measured."""
     if len({json.loads(m.context)["request_rate"] for m in rated}) < 2:
@@ -471,22 +503,21 @@ def _goodput_chart(plt: Any, rated: list[MethodStats], out: Path) -> bool:
         c, r = json.loads(m.context), m.rate or {}
         g = r.get("goodput_req_s") if c.get("goodput_targets") else r.get("completed_rate_req_s")
         name = (m.base_label + (f" d={c['input_depth']}" if c.get("input_depth") else "")
-                + (" [outputs differ]" if m.differs else ""))
+                + _mark(m, bad, baseline))
         series.setdefault(name, []).append((float(c["request_rate"]), g or 0.0))
     top = max(p[0] for pts in series.values() for p in pts)
     ax.plot([0, top], [0, top], color="grey", lw=1, ls=":", label="offered rate (nominal)")
     for j, (name, pts) in enumerate(sorted(series.items())):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j % 10}", label=name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                color="red" if "differ" in name else f"C{j % 10}")
     targets = {json.dumps(json.loads(m.context).get("goodput_targets"), sort_keys=True) for m in rated}
     what = ("goodput req/s (meeting every target)" if targets != {"null"} else "completed req/s")
     ax.set_xlabel("offered request rate (req/s, Poisson arrivals)")
     ax.set_ylabel(what)
     ax.set_title("Goodput against request rate")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "goodput_vs_rate.png", dpi=100)
-    plt.close(fig)
+    _legend(ax)
+    _save(fig, plt, out / "goodput_vs_rate.png")
     return True
 
 

@@ -65,3 +65,59 @@ def fit_iid_acceptance(tau: float, k: int, tol: float = 1e-12) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+# --- the outputs verdict: a one-sided exact binomial test (docs/benchmarks.md) ---------------------------
+VERDICT_ALPHA = 0.01  # false-alarm rate of "outputs differ" for a method at the floor (at most)
+VERDICT_ALLOWANCE = 0.01  # the smallest mismatch share the null allows (a floor of 1.00 is a floor of 0.99)
+DETECT_POWER = 0.95  # "detects an error share" means: flags it with at least this probability
+
+
+def binom_tail(n: int, p: float, x: int) -> float:
+    """P(X >= x) for X ~ Binomial(n, p), exactly (summed in log space, so any n works)."""
+    if x <= 0:
+        return 1.0
+    if x > n:
+        return 0.0
+    if p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    lp, lq = math.log(p), math.log1p(-p)
+    terms = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * lp + (n - k) * lq
+             for k in range(x, n + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
+
+
+def null_share(floor_mismatch: float | None) -> float:
+    """The mismatch share a method at the floor shows: the floor's own, at least the allowance."""
+    return max(VERDICT_ALLOWANCE, floor_mismatch or 0.0)
+
+
+def critical_count(n: int, p0: float, alpha: float = VERDICT_ALPHA) -> int:
+    """The fewest differing prompts out of n that say "outputs differ" (P(X >= c | p0) <= alpha);
+    n + 1 when no count can."""
+    for c in range(n + 1):
+        if binom_tail(n, p0, c) <= alpha:
+            return c
+    return n + 1
+
+
+def miss_rate(n: int, error_share: float, floor_mismatch: float | None = None,
+              alpha: float = VERDICT_ALPHA) -> float:
+    """Probability that a method wrong on ``error_share`` of the prompts (on top of the floor's own
+    mismatches) is NOT flagged with n prompts compared."""
+    p0 = null_share(floor_mismatch)
+    p1 = p0 + error_share * (1.0 - p0)
+    return 1.0 - binom_tail(n, p1, critical_count(n, p0, alpha))
+
+
+def prompts_needed(error_share: float, floor_mismatch: float | None = None, alpha: float = VERDICT_ALPHA,
+                   power: float = DETECT_POWER, limit: int = 5000) -> int | None:
+    """The fewest prompts with which an error share is flagged with probability >= power (None: more
+    than ``limit``)."""
+    for n in range(1, limit + 1):
+        if miss_rate(n, error_share, floor_mismatch, alpha) <= 1.0 - power:
+            return n
+    return None

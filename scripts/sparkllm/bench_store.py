@@ -115,7 +115,44 @@ def migrate(conn: sqlite3.Connection) -> int:
     return current
 
 
+SQLITE_MAGIC = b"SQLite format 3\x00"
+STORE_TABLES = {"schema", "runs", "requests"}
+
+
+def check_store(db: Path) -> None:
+    """UsageError unless ``db`` is absent (a new store) or a results store: a 0-byte file, a file that is
+    not SQLite, a damaged one or another program's database is refused and left as it is (SQLite would
+    take the first two for an empty database and write our tables into it)."""
+    if not db.exists():
+        return
+    fix = (f"move it away and rebuild the store from the run JSON files beside it "
+           f"(`bench.py import {db.parent}`), or pass the directory of your results store")
+    if not db.is_file():
+        raise UsageError(f"{db} is not a file, so not a results store; {fix}")
+    if db.stat().st_size == 0:
+        raise UsageError(f"{db} is empty (0 bytes), not a results store; {fix}")
+    with db.open("rb") as fh:
+        if fh.read(16) != SQLITE_MAGIC:
+            raise UsageError(f"{db} is not an SQLite database (corrupt or another file); {fix}")
+    try:
+        conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise UsageError(f"{db} cannot be read as SQLite ({exc}); {fix}") from None
+    if version > SCHEMA_VERSION:
+        return  # a newer toolkit's store: migrate() says to update the toolkit
+    if (version == 0 and tables) or (version > 0 and not tables >= STORE_TABLES):
+        raise UsageError(f"{db} is another schema's database (user_version {version}, tables "
+                         f"{', '.join(sorted(tables)) or 'none'}), not a results store; {fix}")
+
+
 def open_store(directory: Path) -> sqlite3.Connection:
+    """The store of a directory (created when absent); UsageError for a file that is not one."""
+    check_store(directory / STORE_NAME)
     directory.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(directory / STORE_NAME, timeout=30)
     conn.row_factory = sqlite3.Row

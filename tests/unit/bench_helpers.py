@@ -22,8 +22,8 @@ def write_prompts(path: Path, n_per_cat: int = 2, cats: tuple[str, ...] = ("code
 
 def run_against(cfg: Config, tmp: Path, *, label: str = "x", max_tokens: int = 13, repeats: int = 1,
                 concurrency: int = 1, warmup: int = 1, meta: dict[str, Any] | None = None,
-                sample_interval: float = 0.05) -> tuple[dict[str, Any], StandinServer]:
-    prompts = write_prompts(tmp / "p.jsonl")
+                sample_interval: float = 0.05, n_per_cat: int = 2) -> tuple[dict[str, Any], StandinServer]:
+    prompts = write_prompts(tmp / "p.jsonl", n_per_cat=n_per_cat)
     with StandinServer(cfg) as srv:
         opts = bench_runner.RunOptions(base_url=srv.base_url, model=cfg.model, label=label, out=tmp / "out",
                                        prompts=prompts, repeats=repeats, warmup=warmup,
@@ -37,11 +37,13 @@ def run_against(cfg: Config, tmp: Path, *, label: str = "x", max_tokens: int = 1
 def fake_doc(label: str, rep: int, decode: list[float], *, valid: bool = True, started: str | None = None,
              cat: str = "code", per_position: list[float] | None = None, method: str | None = None,
              config_hash: str | None = None, run_id: str | None = None) -> dict[str, Any]:
-    """A minimal but complete run document with chosen per-request decode speeds."""
+    """A minimal but complete run document with chosen per-request decode speeds; every label answers
+    a prompt with the same text (a lossless method)."""
     reqs = [{"idx": i, "prompt_id": f"{cat}-{i}", "category": cat if i % 2 == 0 else "math", "repeat": 0,
              "ok": True, "error": None, "output_tokens": 11, "chunks": 6, "ttft_s": 0.1, "decode_s": 10 / d,
              "e2e_s": 0.1 + 10 / d, "decode_tok_s": d, "tpot_ms": 100.0 / d, "tokens_per_chunk": 2.0,
-             "continuous_usage": True} for i, d in enumerate(decode)]
+             "continuous_usage": True, "output_text": f"the answer to {cat}-{i}"}
+            for i, d in enumerate(decode)]
     summary = bench_runner.summarise([], 1.0)
     summary["decode_tok_s"] = bench_stats.describe(decode)
     summary["ttft_s"] = bench_stats.describe([0.1] * len(decode))

@@ -60,11 +60,11 @@ def test_bad_concurrency_list_is_a_usage_error(tmp_path: Path, bad: str,
     assert rc == 2 and "--concurrency" in capsys.readouterr().err
 
 
-def _store(tmp: Path, runs: list[tuple[str, Config, int]]) -> Path:
+def _store(tmp: Path, runs: list[tuple[str, Config, int]], n_per_cat: int = 2) -> Path:
     store = tmp / "store"
     for i, (label, cfg, rep) in enumerate(runs):
         (tmp / f"r{i}").mkdir()
-        doc, _ = run_against(cfg, tmp / f"r{i}", label=label, max_tokens=12,
+        doc, _ = run_against(cfg, tmp / f"r{i}", label=label, max_tokens=12, n_per_cat=n_per_cat,
                              meta={"repetition": rep, "method": label.split("-")[0]})
         conn = bench_store.open_store(store)
         bench_store.store_run(conn, doc)
@@ -106,14 +106,15 @@ def test_a_configuration_garbled_only_under_load_is_out_at_every_level(tmp_path:
 def test_a_noise_floor_below_one_keeps_a_method_at_the_floor_and_flags_one_below_it(tmp_path: Path) -> None:
     """Batch numerics on a real GPU: two baseline runs do not agree on every prompt. The stand-in leaves the
     greedy text on 40 % of prompts per server (which ones: its noise seed). A method with the same numerics
-    sits at the floor and is kept; one that garbles every prompt falls below it and is flagged."""
+    sits at the floor and is kept; one that garbles every prompt falls below it and is flagged (30 prompts:
+    with 4, the exact test cannot tell all-wrong from a floor this low, docs/benchmarks.md)."""
     def cfg(noise_seed: int, **kw) -> Config:
         return Config(model="m", **{"step_time": 0.01, **kw}, numeric_noise=0.4, noise_seed=noise_seed)
 
     store = _store(tmp_path, [("baseline", cfg(1), 1), ("baseline", cfg(2), 2),
                               ("mtp-k2", cfg(3, spec=True, method="mtp", k=2, pattern=(1,)), 1),
                               ("dflash-k2", cfg(4, step_time=0.003, spec=True, method="dflash", k=2,
-                                                pattern=(2,), garble=True), 1)])
+                                                pattern=(2,), garble=True), 1)], n_per_cat=15)
     _, stats = bench_report.make_report(store, charts=False)
     rows = {m.label: m for m in stats}
     mtp, dflash = rows["mtp-k2"].outputs, rows["dflash-k2"].outputs

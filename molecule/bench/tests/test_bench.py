@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shlex
 import sqlite3
 from pathlib import Path
 
@@ -123,3 +124,42 @@ def test_controller_store_prevents_remeasuring_after_a_wipe(host):
     assert res.rc == 0, res.output[-3000:]
     assert "already measured" in res.output
     assert len(_runs()) == 8
+
+
+def test_report_says_the_outputs_were_not_checked():
+    """No run labelled baseline in this store: every recommendation row says so and names the fix."""
+    report = (RESULTS / "report" / "report.md").read_text()
+    rec = report.split("## Recommendation")[1].split("\n## ")[0]
+    rows = [ln for ln in rec.splitlines() if ln.startswith("- **")]
+    assert rows and all("outputs not checked" in ln for ln in rows), rec
+    assert "make deploy SPEC_METHOD=baseline" in rec
+
+
+def test_single_method_deploy_compares_with_an_earlier_baseline(host, tmp_path):
+    """A store (its own: the scenario's store and remote directory stay as they are) holding a baseline
+    run recorded earlier on this host for the same checkpoint and prompts: the deploy's bench stage
+    reports its outputs compared with that run."""
+    from playbook_runner import run_playbook
+
+    store = tmp_path / "results"
+    store.mkdir()
+    earlier = next(r for r in _runs() if r["meta"]["concurrency"] == 1 and not r["meta"]["input_depth"])
+    base = json.loads(json.dumps(earlier))
+    base.update(run_id="0000-earlier-baseline", label="baseline")
+    base["meta"].update(method="baseline", started_utc="2000-01-01T00:00:00.000000Z")
+    (store / "0000-earlier-baseline.json").write_text(json.dumps(base))
+    fact = "/etc/ansible/facts.d/spark_bench.fact"
+    saved = host.file(fact).content_string if host.file(fact).exists else None
+    try:
+        res = run_playbook("playbooks/bench.yml", {
+            "bench_results_dir": str(store), "bench_remote_dir": "/var/lib/sparkllm/results-verdict",
+            "bench_concurrency": "1", "bench_depth": "0", "bench_request_rate": "",
+            "bench_depth_text_file": ""})
+    finally:
+        host.run("rm -rf /var/lib/sparkllm/results-verdict")
+        host.run(f"printf '%s' {shlex.quote(saved)} > {fact}" if saved is not None else f"rm -f {fact}")
+    assert res.rc == 0, res.output[-3000:]
+    said = "outputs of mtp-k2: same as baseline: compared with baseline (runs 0000-earlier-baseline"
+    assert said in " ".join(res.output.split()), res.output[-3000:]  # the yaml callback folds long lines
+    with sqlite3.connect(RESULTS / "results.sqlite") as db:  # the scenario's own store is untouched
+        assert db.execute("SELECT count(*) FROM runs WHERE label = 'baseline'").fetchone() == (0,)
