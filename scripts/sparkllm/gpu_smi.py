@@ -58,6 +58,8 @@ def query(exe: str, fields: list[str] | tuple[str, ...], timeout: float = 10.0) 
     try:
         proc = subprocess.run([exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise SmiError(f"nvidia-smi timed out after {timeout:g} s") from exc
     except (OSError, subprocess.SubprocessError) as exc:
         raise SmiError(f"nvidia-smi failed: {exc}"[:200]) from exc
     if proc.returncode != 0:

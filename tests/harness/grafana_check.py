@@ -72,6 +72,10 @@ def check_dashboard(data: dict[str, Any], datasource_uids: set[str], name: str =
     ids = [p.get("id") for p in data.get("panels", [])]
     if len(set(ids)) != len(ids):
         problems.append(f"{name}: panel ids are not unique: {ids}")
+    # a datasource variable over Prometheus sources stands for whichever is chosen (the default one)
+    ds_vars = {f"${{{v.get('name')}}}" for v in (data.get("templating") or {}).get("list", [])
+               if v.get("type") == "datasource" and v.get("query") == "prometheus"}
+    ds_vars |= {"$" + v[2:-1] for v in ds_vars}
     for i, panel in enumerate(data.get("panels", [])):
         where = f"{name}/panels[{i}] ({panel.get('title')!r})"
         problems += [f"{where}: {k} is missing" for k in PANEL_REQUIRED if not panel.get(k)]
@@ -84,7 +88,7 @@ def check_dashboard(data: dict[str, Any], datasource_uids: set[str], name: str =
             if not t.get("refId") or not t.get("expr"):
                 problems.append(f"{where}: a target without refId or expr")
             uid = (t.get("datasource") or panel.get("datasource") or {}).get("uid")
-            if uid not in datasource_uids:
+            if uid not in datasource_uids and uid not in ds_vars:
                 problems.append(f"{where}: datasource uid {uid!r} is not provisioned "
                                 f"({sorted(datasource_uids)})")
     return problems

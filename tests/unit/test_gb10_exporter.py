@@ -167,3 +167,88 @@ def test_exporter_is_stdlib_only() -> None:
     src = (Path(exp.__file__).read_text() + Path(gpu_smi.__file__).read_text())
     mods = set(re.findall(r"^(?:from|import) ([a-zA-Z_]+)", src, re.M))
     assert mods - {"__future__", "sparkllm"} <= set(sys.stdlib_module_names), mods
+
+
+def test_all_na_answer_is_not_up(tmp_path: Path, meminfo: Path) -> None:
+    """A driver that answers [N/A] for every field (e.g. the GPU fell off the bus) is a failed source."""
+    exe = fake_smi(tmp_path, 'echo "' + ", ".join(["[N/A]"] * len(exp.FIELDS)) + '"\n')
+    text = exp.Collector(exe, meminfo).collect()
+    m = parse(text)
+    assert m["gb10_nvidia_smi_up"] == 0.0
+    assert m['gb10_nvidia_smi_error{reason="all_na"}'] == 1.0
+    assert not any(k.startswith(("gb10_power", "gb10_clocks")) for k in m)
+    assert m["gb10_meminfo_up"] == 1.0  # the other source still answers
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ('echo "no GPU" >&2; exit 9\n', "failed"),
+    ('echo "1.0, 2.0"\n', "unparsable"),
+    ("sleep 5\n", "timeout"),
+])
+def test_each_nvidia_smi_failure_names_its_reason(tmp_path: Path, meminfo: Path, body: str,
+                                                  reason: str) -> None:
+    m = parse(exp.Collector(fake_smi(tmp_path, body), meminfo, smi_timeout=0.5).collect())
+    assert m["gb10_nvidia_smi_up"] == 0.0
+    errors = {k: v for k, v in m.items() if k.startswith("gb10_nvidia_smi_error")}
+    assert errors == {f'gb10_nvidia_smi_error{{reason="{reason}"}}': 1.0}
+    assert parse(exp.Collector(None, meminfo).collect())['gb10_nvidia_smi_error{reason="not_found"}'] == 1.0
+    assert parse(exp.Collector(str(tmp_path / "absent"), meminfo).collect())[
+        'gb10_nvidia_smi_error{reason="not_found"}'] == 1.0
+
+
+def test_nan_and_inf_are_never_exported(tmp_path: Path, meminfo: Path) -> None:
+    exe = fake_smi(tmp_path, 'echo "nan, inf, -inf, 2405, NaN, [N/A], [N/A], 0x0"\n')
+    text = exp.Collector(exe, meminfo).collect()
+    assert not re.search(r"(?i)\b(nan|inf)\b", " ".join(line for line in text.splitlines()
+                                                         if not line.startswith("#")))
+    m = parse(text)
+    assert m['gb10_sm_clock_max_hertz{gpu="0"}'] == 2405e6 and m["gb10_nvidia_smi_up"] == 1.0
+    for gone in ("gb10_power_draw_watts", "gb10_temperature_celsius", "gb10_sm_clock_hertz",
+                 "gb10_utilization"):
+        assert gone not in text
+
+
+def test_unreadable_meminfo_is_reported(tmp_path: Path) -> None:
+    m = parse(exp.Collector(gb10_smi(tmp_path), tmp_path / "absent").collect())
+    assert m["gb10_meminfo_up"] == 0.0 and m["gb10_nvidia_smi_up"] == 1.0
+    assert "gb10_memory_available_bytes" not in m
+
+
+def test_ops_state_watchdog_and_guard(tmp_path: Path, meminfo: Path) -> None:
+    """The file contract with spark_ops: watchdog.json (ops_watchdog.py's own state) and guard-kills.log."""
+    ops = tmp_path / "ops"
+    ops.mkdir()
+    smi = gb10_smi(tmp_path)
+    m = parse(exp.Collector(smi, meminfo, ops_state_dir=ops).collect())
+    # nothing written yet: no watchdog state, no kill
+    assert m['sparkllm_ops_state_up{file="watchdog.json"}'] == 0.0
+    assert m['sparkllm_ops_state_up{file="guard-kills.log"}'] == 1.0
+    assert m["sparkllm_guard_kills_total"] == 0.0 and "sparkllm_guard_last_kill_timestamp_seconds" not in m
+    (ops / "watchdog.json").write_text('{"restarts": [1700000000.5, 1700000100.0], "failures": 2, '
+                                       '"gave_up": 1700000200.0, "invocation": "x", "healthy_seen": false}')
+    (ops / "guard-kills.log").write_text("1700000300 4242 VLLM::EngineCor\n1700000400 4343 vllm\ngarbage\n")
+    m = parse(exp.Collector(smi, meminfo, ops_state_dir=ops).collect())
+    assert m['sparkllm_ops_state_up{file="watchdog.json"}'] == 1.0
+    assert m["sparkllm_watchdog_gave_up"] == 1.0
+    assert m["sparkllm_watchdog_gave_up_timestamp_seconds"] == 1700000200.0
+    assert m["sparkllm_watchdog_restarts_in_window"] == 2.0
+    assert m["sparkllm_watchdog_last_restart_timestamp_seconds"] == 1700000100.0
+    assert m["sparkllm_watchdog_failures"] == 2.0
+    assert m["sparkllm_guard_kills_total"] == 2.0
+    assert m["sparkllm_guard_last_kill_timestamp_seconds"] == 1700000400.0
+    # after the operator's start the watchdog clears gave_up; a broken file is reported, not guessed
+    (ops / "watchdog.json").write_text('{"restarts": [], "gave_up": null, "failures": 0}')
+    m = parse(exp.Collector(smi, meminfo, ops_state_dir=ops).collect())
+    assert m["sparkllm_watchdog_gave_up"] == 0.0
+    assert "sparkllm_watchdog_last_restart_timestamp_seconds" not in m
+    (ops / "watchdog.json").write_text("{not json")
+    m = parse(exp.Collector(smi, meminfo, ops_state_dir=ops).collect())
+    assert m['sparkllm_ops_state_up{file="watchdog.json"}'] == 0.0 and "sparkllm_watchdog_gave_up" not in m
+    # no state directory at all (spark_ops not installed)
+    m = parse(exp.Collector(smi, meminfo, ops_state_dir=tmp_path / "none").collect())
+    assert m['sparkllm_ops_state_up{file="guard-kills.log"}'] == 0.0
+
+
+def test_smi_timeout_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert exp.main(["--once", "--smi-timeout", "0"]) == 2
+    assert "--smi-timeout 0.0 must be a positive number" in capsys.readouterr().err

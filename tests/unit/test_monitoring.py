@@ -53,8 +53,10 @@ def exprs() -> list[str]:
 
 def test_prometheus_config_scrapes_the_three_sources_on_loopback() -> None:
     text = render(ROOT / "templates" / "prometheus.yml.j2", spec_method="mtp",
-                  _spark_monitoring_vllm_target="127.0.0.1:8000", _spark_monitoring_vllm_scheme="http")
+                  _spark_monitoring_vllm_target="127.0.0.1:8000", _spark_monitoring_vllm_scheme="http",
+                  _spark_monitoring_rules_file="/etc/prometheus/sparkllm-alerts.yml")
     cfg = yaml.safe_load(text)
+    assert cfg["rule_files"] == ["/etc/prometheus/sparkllm-alerts.yml"]
     jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in cfg["scrape_configs"]}
     assert jobs == {"vllm": ["127.0.0.1:8000"], "node": ["127.0.0.1:9100"], "gb10": ["127.0.0.1:9835"],
                     "prometheus": ["127.0.0.1:9090"]}
@@ -72,6 +74,7 @@ def test_grafana_files_pass_grafanas_schema(tmp_path: Path) -> None:
     (lambda d: d["panels"][1]["targets"][0].__setitem__("exp", "up"), "/targets[0]/exp: not a field"),
     (lambda d: d["panels"][2]["targets"][0].__setitem__("datasource", {"type": "prometheus", "uid": "other"}),
      "datasource uid 'other' is not provisioned"),
+    (lambda d: d["templating"].__setitem__("list", []), "datasource uid '${datasource}' is not provisioned"),
     (lambda d: d["panels"][3].__setitem__("id", 1), "panel ids are not unique"),
     (lambda d: d["panels"][0]["gridPos"].__setitem__("x", 20), "exceeds Grafana's 24 columns"),
 ])
@@ -158,3 +161,54 @@ def test_enabled_with_an_open_bind_and_no_credentials_is_refused(tmp_path: Path)
     assert r.returncode == 2
     assert "spark_monitoring_bind_address=192.168.1.20 would expose Grafana beyond this machine" in r.stdout
     assert "changed=0" in r.stdout
+
+
+def test_dashboards_take_the_datasource_from_a_variable_not_a_uid() -> None:
+    """A Grafana whose Prometheus source has another UID (added by hand, or a customised provisioning)
+    still shows the panels: every query names ${datasource}, a variable over Prometheus sources."""
+    for d in DASHBOARDS:
+        data = json.loads(d.read_text())
+        var = [v for v in data["templating"]["list"] if v["name"] == "datasource"]
+        assert var and var[0]["type"] == "datasource" and var[0]["query"] == "prometheus"
+        assert "current" not in var[0]  # no UID there either: Grafana selects the default source
+        uids = {(t.get("datasource") or p.get("datasource"))["uid"]
+                for p in data["panels"] for t in p["targets"]}
+        uids |= {p["datasource"]["uid"] for p in data["panels"]}
+        assert uids == {"${datasource}"}, uids
+        assert DEFAULTS["spark_monitoring_grafana_datasource_uid"] not in d.read_text()
+
+
+def test_throttle_panel_leaves_the_idle_bit_out() -> None:
+    throttle = [e for e in exprs() if "gb10_clocks_throttle_reason_active" in e]
+    assert throttle and all('reason!="gpu_idle"' in e for e in throttle), throttle
+
+
+ALERTS = ROOT / "templates" / "prometheus-alerts.yml.j2"
+
+
+def _alert_rules(**ctx: object) -> dict[str, dict]:
+    text = render(ALERTS, spec_method="mtp", **ctx)
+    groups = yaml.safe_load(text)["groups"]
+    return {r["alert"]: r for g in groups for r in g["rules"]}
+
+
+def test_alert_rules_cover_the_issue_and_match_the_roles_check() -> None:
+    rules = _alert_rules()
+    assert list(rules) == VARS["_spark_monitoring_alert_names"]
+    assert rules["SparkServerDown"]["expr"] == 'up{job="vllm"} == 0'
+    assert rules["SparkServerDown"]["for"] == DEFAULTS["spark_monitoring_alert_for"]
+    assert "process_start_time_seconds" in rules["SparkServerRestarted"]["expr"]
+    assert "sparkllm_watchdog_gave_up == 1" in rules["SparkWatchdogGaveUp"]["expr"]
+    assert "sparkllm_guard_last_kill_timestamp_seconds" in rules["SparkMemoryGuardKill"]["expr"]
+    assert "< 0.1" in rules["SparkMemoryPressure"]["expr"]
+    throttled = rules["SparkGpuThrottled"]["expr"]
+    assert "gpu_idle" not in throttled and "sw_power_cap" in throttled and "hw_thermal_slowdown" in throttled
+    # every expression's metric is one an exporter of ours (or vLLM/Prometheus) exports
+    for r in rules.values():
+        for name in re.findall(r"\b(gb10_[a-z_]+|sparkllm_[a-z_]+)", r["expr"]):
+            assert name in (ROOT / "scripts" / "gb10_exporter.py").read_text(), name
+    # the knobs reach the rules
+    rules = _alert_rules(spark_monitoring_alert_for="7s", spark_monitoring_alert_recent_s=60,
+                         spark_monitoring_alert_memory_available_ratio=0.25)
+    assert rules["SparkServerDown"]["for"] == "7s" and "[60s]" in rules["SparkServerRestarted"]["expr"]
+    assert "< 0.25" in rules["SparkMemoryPressure"]["expr"]
