@@ -320,3 +320,30 @@ def test_a_missing_key_file_is_one_line_not_a_traceback(bed, capsys) -> None:
     assert len(lines) == 1 and f"cannot read the API key file {tmp / 'nope'}" in lines[0], out
     assert "Traceback" not in out.out + out.err
     assert _calls(calls) == []
+
+
+# ------------------------------------------------------------- the role's grace, from the serve stage
+def _grace(**play: object) -> tuple[int, int]:
+    import jinja2
+    import yaml
+    from ansible.plugins.filter.core import FilterModule as CoreFilters
+
+    roles = Path(__file__).resolve().parents[2] / "roles"
+    env = jinja2.Environment()
+    env.filters.update({k: f for k, f in CoreFilters().filters().items() if k not in ("default", "d")})
+    ops = yaml.safe_load((roles / "spark_ops" / "defaults" / "main.yml").read_text())
+    serve = yaml.safe_load((roles / "serve" / "defaults" / "main.yml").read_text())
+    ctx = {"_spark_ops_serve_defaults": serve, **play}
+    grace = env.from_string(ops["spark_ops_watchdog_grace"]).render(ctx)
+    pause_max = env.from_string(ops["spark_ops_watchdog_pause_max"]).render(spark_ops_watchdog_grace=grace)
+    return int(grace), int(pause_max)
+
+
+def test_the_grace_covers_the_longest_start_the_serve_stage_accepts() -> None:
+    from sparkllm.serve_phases import DEFAULT_BUDGETS
+
+    # the serve role's budgets are serve_phases' defaults; their sum exceeds serve_ready_timeout (7200)
+    assert _grace() == (sum(DEFAULT_BUDGETS.values()), 2 * sum(DEFAULT_BUDGETS.values()))
+    assert _grace(serve_ready_timeout=20000)[0] == 20000
+    # a budget the owner raised counts, over the others' defaults (as serve_wait merges them)
+    assert _grace(serve_phase_budgets={"weights": 50000})[0] == sum(DEFAULT_BUDGETS.values()) - 1800 + 50000
