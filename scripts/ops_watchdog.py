@@ -200,7 +200,7 @@ def sample(url: str, timeout: float) -> tuple[Sample | None, str, int | None]:
     try:
         status, body = _request(url.rstrip("/") + "/metrics", timeout, {})
     except (OSError, ValueError) as exc:  # timeouts, refused connections, reset sockets
-        return None, f"/metrics: no answer ({_no_answer(exc)})", None
+        return None, f"no answer ({_no_answer(exc)}) from /metrics", None
     if status != 200:
         return None, f"/metrics answered HTTP {status}", status
     try:
@@ -239,7 +239,7 @@ def health(a: argparse.Namespace) -> str:
     try:
         status, _ = _request(a.url.rstrip("/") + "/health", a.timeout, {})
     except (OSError, ValueError) as exc:
-        return f"/health: no answer ({_no_answer(exc)})"
+        return f"no answer ({_no_answer(exc)}) from /health"
     return "" if status == 200 else f"/health answered HTTP {status}"
 
 
@@ -433,7 +433,7 @@ def _failed(a: argparse.Namespace, st: dict, us: dict[str, str], reason: str, no
     st.update(failures=0, healthy_seen=False, sample=None, progress_at=None)
     save_state(a.state, st)
     log(f"{a.unit}: restarting after {a.failures} failed probes "
-        f"(restart {len(st['restarts'])} of {a.max_restarts} allowed within {a.window:.0f}s; last: {reason})")
+        f"(restart {len(st['restarts'])} of {a.max_restarts} allowed within {a.window:.0f}s): {reason}")
     subprocess.run([a.systemctl, "restart", "--no-block", a.unit], check=False)
     return 0
 
