@@ -1,17 +1,35 @@
 #!/usr/bin/env python3
-"""Health watchdog of the served method's unit (standard library only; run by a systemd timer).
+"""Liveness watchdog of the served method's unit (standard library only; run by a systemd timer).
 
-One run = one probe. GET <url>/health (and, with --completion-model, a one-token completion) must
-answer 200 within --timeout seconds. Failures are counted across runs in --state (JSON):
+It judges progress, not latency. vLLM answers ``/health`` with 200 while its engine hangs (0.19.1
+``entrypoints/serve/instrumentator/health.py`` asks ``engine_client.check_health()``, which raises only
+once the engine is dead), and a request sent while ``max_num_seqs`` requests run waits in the queue, so
+neither ``/health`` nor a timed request tells a busy server from a hung one. One run = one look:
 
+  * ``GET /metrics`` (no API key needed): ``vllm:generation_tokens_total`` and
+    ``vllm:prompt_tokens_total`` advance each engine step and ``vllm:request_success_total`` when a
+    request ends; ``vllm:num_requests_running`` / ``_waiting`` say whether anything is in flight
+    (0.19.1 and 0.26.0 ``vllm/v1/metrics/loggers.py``). Counters that advanced since the last run:
+    alive. Requests in flight and no counter advanced for --stall seconds: stalled, a failure.
+  * nothing in flight: a one-token completion (--completion-model) must answer within --timeout; when
+    it does not, /metrics is read again and only a server that made no progress meanwhile counts a
+    failure (a burst that arrived at the probe's moment is busy, not hung);
+  * 401/403 (the key) and 404 (the model name, or a server without /metrics) are configuration errors:
+    reported once with the fix, never counted, never a restart; a missing key file is one such line;
   * the unit is not active (stopped by the operator, the memory guard or a failed start): nothing is
     probed and the count is reset - the watchdog never starts a server someone stopped;
-  * a server still loading is not judged: failures count only once /health has answered for this
-    invocation of the unit (its InvocationID), or once it has been active longer than --grace seconds;
+  * --pause-file exists (the serve stage writes it for a deploy or a method switch and removes it
+    after): nothing is judged, unless it is older than --pause-max seconds (a deploy that died without
+    cleaning up), which is said once and then ignored;
+  * a server still loading is not judged: failures count only once it answered for this invocation of
+    the unit (its InvocationID), or once it has been active longer than --grace seconds;
   * --failures consecutive failures restart the unit (``systemctl restart``), unless --max-restarts
     restarts already happened within --window seconds: then the watchdog gives up - it stops the
     unit and its own timer, says so in one journal line, and exits 1 (the watchdog's service is left
     failed; `systemctl --failed` shows it) so a crash loop ends in a clear state, not a restart storm.
+
+The decision itself is pure (:func:`judge`, :func:`judge_probe`) over successive /metrics samples and
+the probe's result; the last verdict is kept in the state file (``last``).
 
 Exit codes: 0 healthy or nothing to do, 1 gave up (see the journal line), 2 usage.
 """
@@ -21,21 +39,239 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TAG = "sparkllm-watchdog"
+
+# Metric names of vLLM 0.19.1 and 0.26.0 (vllm/v1/metrics/loggers.py; prometheus_client appends _total
+# to a counter's samples). tests/contract/test_watchdog_contract.py checks them against both sources.
+GENERATED = "vllm:generation_tokens_total"
+PROMPT = "vllm:prompt_tokens_total"
+FINISHED = "vllm:request_success_total"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+STARTED = "process_start_time_seconds"
+CONFIG_STATUSES = (401, 403, 404)
 
 
 def log(msg: str) -> None:
     print(f"{TAG}: {msg}", flush=True)  # stdout of a systemd service goes to the journal
 
 
+# ----------------------------------------------------------------------------------------- decision
+@dataclass(frozen=True)
+class Sample:
+    """What one GET /metrics said, summed over engines and labels."""
+
+    t: float
+    generated: float
+    prompt: float
+    finished: float
+    running: float
+    waiting: float
+    started: float | None = None
+
+    @property
+    def in_flight(self) -> float:
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The one-token completion: status None = no answer (``error`` says why)."""
+
+    status: int | None
+    error: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """kind: ok (alive), busy (in flight, not yet judged), probe (idle: ask for one token),
+    fail (counts towards a restart), config (reported once, never a restart)."""
+
+    kind: str
+    reason: str
+    progress_at: float | None = None
+
+
+def _same_server(prev: Sample | None, cur: Sample) -> bool:
+    return (prev is not None and prev.started == cur.started and cur.generated >= prev.generated
+            and cur.prompt >= prev.prompt and cur.finished >= prev.finished)
+
+
+def _advanced(prev: Sample, cur: Sample) -> str:
+    parts = [f"+{cur.generated - prev.generated:.0f} tokens" if cur.generated > prev.generated else "",
+             f"+{cur.prompt - prev.prompt:.0f} prompt tokens" if cur.prompt > prev.prompt else "",
+             f"+{cur.finished - prev.finished:.0f} finished" if cur.finished > prev.finished else ""]
+    return ", ".join(p for p in parts if p)
+
+
+def judge(prev: Sample | None, cur: Sample, progress_at: float | None, stall: float) -> Verdict:
+    """Judge one sample against the previous one. ``progress_at``: when the counters last advanced
+    (or requests were first seen in flight); ``stall``: seconds in flight without progress that fail."""
+    flight = f"{cur.running:.0f} running, {cur.waiting:.0f} waiting"
+    if _same_server(prev, cur):
+        assert prev is not None
+        moved = _advanced(prev, cur)
+        if moved:
+            return Verdict("ok", f"progress: {moved} in {cur.t - prev.t:.0f} s ({flight})", cur.t)
+    else:
+        prev = None  # first look, or the server restarted: a new baseline
+    if cur.in_flight <= 0:
+        return Verdict("probe", "nothing in flight")
+    if prev is None or prev.in_flight <= 0 or progress_at is None:
+        return Verdict("busy", f"{flight}; watching for progress", cur.t)
+    silent = cur.t - progress_at
+    if silent < stall:
+        return Verdict("busy", f"{flight}; no new token for {silent:.0f} s of {stall:.0f} s", progress_at)
+    return Verdict("fail", f"stalled: {flight}, no token generated for {silent:.0f} s "
+                           f"(/health may still say 200: vLLM's does while its engine hangs)", progress_at)
+
+
+def judge_probe(cur: Sample, probe: Probe, after: Sample | None, model: str, key_file: str | None) -> Verdict:
+    """Judge the one-token completion sent while nothing was in flight; ``after``: /metrics read
+    again after a probe that did not answer (None when that read failed too)."""
+    if probe.status == 200:
+        return Verdict("ok", f"idle; one-token probe answered in {probe.seconds:.1f} s")
+    if probe.status in (401, 403):
+        where = f"the key in {key_file}" if key_file else "no key"
+        return Verdict("config", f"the server refused the one-token probe (HTTP {probe.status}) with "
+                                 f"{where}: the key was rotated or the server runs with another one; put "
+                                 "the server's key in vllm_api_key_file and rerun the serve and ops stages "
+                                 "(no restart: the server itself is fine)")
+    if probe.status == 404:
+        return Verdict("config", f"the server does not serve model {model!r} (HTTP 404): set "
+                                 "vllm_served_model_name to the name in GET /v1/models and rerun the ops "
+                                 "stage (no restart: the server itself is fine)")
+    if after is not None and _same_server(cur, after) and _advanced(cur, after):
+        return Verdict("busy", f"probe unanswered ({probe.error or probe.status}) but the server made "
+                               f"progress meanwhile: {_advanced(cur, after)}", after.t)
+    what = f"HTTP {probe.status}" if probe.status else f"no answer ({probe.error})"
+    return Verdict("fail", f"idle, and the one-token probe failed: {what}")
+
+
+# ------------------------------------------------------------------------------------ observation
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_metrics(text: str, t: float) -> Sample:
+    """Prometheus text -> Sample; ValueError naming the metric vLLM did not expose."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m:
+            try:
+                sums[m.group(1)] = sums.get(m.group(1), 0.0) + float(m.group(3))
+            except ValueError:
+                continue
+    missing = [n for n in (GENERATED, RUNNING) if n not in sums]
+    if missing:
+        raise ValueError(f"/metrics has no {' or '.join(missing)}: is this vLLM with its stats on "
+                         "(no --disable-log-stats)? The watchdog judges progress by them")
+    return Sample(t, sums[GENERATED], sums.get(PROMPT, 0.0), sums.get(FINISHED, 0.0), sums[RUNNING],
+                  sums.get(WAITING, 0.0), sums.get(STARTED))
+
+
+def _request(url: str, timeout: float, headers: dict[str, str],
+             body: bytes | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - local URL from our unit
+            return r.status, r.read(4 << 20)
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+
+
+def _no_answer(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def sample(url: str, timeout: float) -> tuple[Sample | None, str, int | None]:
+    """(sample, failure reason, HTTP status of a refusal)."""
+    try:
+        status, body = _request(url.rstrip("/") + "/metrics", timeout, {})
+    except (OSError, ValueError) as exc:  # timeouts, refused connections, reset sockets
+        return None, f"no answer ({_no_answer(exc)}) from /metrics", None
+    if status != 200:
+        return None, f"/metrics answered HTTP {status}", status
+    try:
+        return parse_metrics(body.decode("utf-8", "replace"), time.time()), "", None
+    except ValueError as exc:
+        return None, str(exc), 404
+
+
+def read_key(path: Path | None) -> tuple[str | None, str]:
+    """(key, configuration error)."""
+    if path is None:
+        return None, ""
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        return None, (f"cannot read the API key file {path} ({exc.strerror or type(exc).__name__}): write "
+                      "the server's key there or set vllm_api_key_file, then rerun the ops stage")
+    if not key:
+        return None, f"the API key file {path} is empty: write the server's key into it"
+    return key, ""
+
+
+def probe_completion(a: argparse.Namespace, key: str | None) -> Probe:
+    headers = {"Content-Type": "application/json", **({"Authorization": "Bearer " + key} if key else {})}
+    body = json.dumps({"model": a.completion_model, "prompt": "ping", "max_tokens": 1}).encode()
+    t0 = time.monotonic()
+    try:
+        status, _ = _request(a.url.rstrip("/") + "/v1/completions", a.timeout, headers, body)
+    except (OSError, ValueError) as exc:
+        return Probe(None, _no_answer(exc), time.monotonic() - t0)
+    return Probe(status, "", time.monotonic() - t0)
+
+
+def health(a: argparse.Namespace) -> str:
+    """'' when GET /health answered 200, else why not."""
+    try:
+        status, _ = _request(a.url.rstrip("/") + "/health", a.timeout, {})
+    except (OSError, ValueError) as exc:
+        return f"no answer ({_no_answer(exc)}) from /health"
+    return "" if status == 200 else f"/health answered HTTP {status}"
+
+
+def observe(a: argparse.Namespace, prev: Sample | None,
+            progress_at: float | None) -> tuple[Verdict, Sample | None]:
+    """One look at the server: the verdict and the sample to keep for the next run."""
+    why = health(a)
+    if why:
+        return Verdict("fail", why), None
+    cur, why, status = sample(a.url, a.timeout)
+    if cur is None:
+        if status in CONFIG_STATUSES:
+            return Verdict("config", f"{why}: spark_ops_url ({a.url}) must point at the vLLM server itself "
+                                     "(its /metrics needs no key); fix it and rerun the ops stage"), None
+        return Verdict("fail", why), None
+    v = judge(prev, cur, progress_at, a.stall)
+    if v.kind != "probe":
+        return v, cur
+    if not a.completion_model:
+        return Verdict("ok", "idle; /health answered (no one-token probe configured)"), cur
+    key, err = read_key(a.api_key_file)
+    if err:
+        return Verdict("config", err), cur
+    p = probe_completion(a, key)
+    # read again after the probe: its own token is no one's progress, and a probe that did not answer
+    # is judged by whether the server moved meanwhile
+    after, _, _ = sample(a.url, a.timeout)
+    v = judge_probe(cur, p, after, a.completion_model, str(a.api_key_file) if a.api_key_file else None)
+    return v, (after or cur)
+
+
+# ------------------------------------------------------------------------------------- the run
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--unit", required=True, help="the method's unit, e.g. sparkllm-vllm-mtp.service")
@@ -44,12 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failures", type=int, default=3, help="failures in a row before a restart (default: 3)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts allowed per window (default: 3)")
     p.add_argument("--window", type=float, default=3600.0, help="rate-limit window, seconds (default: 3600)")
-    p.add_argument("--timeout", type=float, default=10.0, help="probe timeout, seconds (default: 10)")
-    p.add_argument("--grace", type=float, default=1200.0,
-                   help="seconds a never-healthy unit may load before failures count (default: 1200)")
+    p.add_argument("--timeout", type=float, default=10.0, help="per request, seconds (default: 10)")
+    p.add_argument("--stall", type=float, default=300.0,
+                   help="seconds in flight without a new token that fail (default: 300)")
+    p.add_argument("--grace", type=float, default=9900.0,
+                   help="seconds a never-answering unit may load before failures count (default: 9900)")
     p.add_argument("--completion-model", default=None,
-                   help="also ask this served model for one token (default: /health only)")
+                   help="when idle, ask this served model for one token (default: /health only)")
     p.add_argument("--api-key-file", type=Path, default=None, help="file holding the API key (default: none)")
+    p.add_argument("--pause-file", type=Path, default=None,
+                   help="while this file exists (a deploy or switch runs) nothing is judged (default: none)")
+    p.add_argument("--pause-max", type=float, default=19800.0,
+                   help="a pause file older than this many seconds is stale and ignored (default: 19800)")
     p.add_argument("--timer", default=None, help="the watchdog's timer, stopped on give-up (default: none)")
     p.add_argument("--systemctl", default="systemctl", help="systemctl binary (default: systemctl)")
     return p
@@ -57,8 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = build_parser().parse_args(argv)
-    if a.failures < 1 or a.max_restarts < 0 or a.window <= 0 or a.timeout <= 0:
-        build_parser().error("--failures must be >= 1, --max-restarts >= 0, --window and --timeout > 0")
+    if (a.failures < 1 or a.max_restarts < 0 or a.window <= 0 or a.timeout <= 0 or a.stall <= 0
+            or a.pause_max <= 0):
+        build_parser().error("--failures must be >= 1, --max-restarts >= 0, --window, --timeout, --stall and "
+                             "--pause-max > 0")
     return a
 
 
@@ -69,35 +313,6 @@ def unit_state(systemctl: str, unit: str) -> dict[str, str]:
         capture_output=True, text=True, check=False,
     ).stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-
-def _get(url: str, timeout: float, headers: dict[str, str], body: bytes | None = None) -> int:
-    req = urllib.request.Request(url, data=body, headers=headers, method="POST" if body else "GET")
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - local URL from our unit
-        r.read(65536)
-        return r.status
-
-
-def probe(a: argparse.Namespace) -> str:
-    """'' when healthy, else one short reason."""
-    headers: dict[str, str] = {}
-    if a.api_key_file:
-        headers["Authorization"] = "Bearer " + a.api_key_file.read_text(encoding="utf-8").strip()
-    try:
-        status = _get(a.url.rstrip("/") + "/health", a.timeout, {})
-        if status != 200:
-            return f"/health answered {status}"
-        if a.completion_model:
-            body = json.dumps({"model": a.completion_model, "prompt": "ping", "max_tokens": 1}).encode()
-            status = _get(a.url.rstrip("/") + "/v1/completions", a.timeout,
-                          {**headers, "Content-Type": "application/json"}, body)
-            if status != 200:
-                return f"one-token completion answered {status}"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}"
-    except (OSError, ValueError) as exc:  # timeouts, refused connections, reset sockets
-        return f"no answer ({type(exc).__name__}: {exc})"
-    return ""
 
 
 def load_state(path: Path) -> dict:
@@ -116,14 +331,48 @@ def save_state(path: Path, st: dict) -> None:
     os.replace(tmp, path)
 
 
+def paused(a: argparse.Namespace, st: dict, now: float) -> bool:
+    """True while a fresh pause file exists; a stale one is reported once and ignored."""
+    if a.pause_file is None:
+        return False
+    try:
+        age = now - a.pause_file.stat().st_mtime
+        by = a.pause_file.read_text(encoding="utf-8", errors="replace").strip()[:200]
+    except OSError:
+        if st.pop("paused", None):
+            log(f"{a.unit}: pause ended; watching again")
+        return False
+    if age <= a.pause_max:
+        if st.get("paused") != by:
+            log(f"{a.unit}: paused while {by or 'a deploy'} runs ({a.pause_file}); nothing is judged")
+            st["paused"] = by
+        return True
+    if st.get("paused") != "stale":
+        log(f"{a.unit}: ignoring the stale pause file {a.pause_file} ({age:.0f} s old, more than "
+            f"{a.pause_max:.0f} s: a deploy that ended without removing it); remove it: rm {a.pause_file}")
+        st["paused"] = "stale"
+    return False
+
+
+def _sample_of(d: object) -> Sample | None:
+    try:
+        return Sample(**d) if isinstance(d, dict) else None
+    except TypeError:
+        return None
+
+
 def run(a: argparse.Namespace, now: float | None = None) -> int:
     now = time.time() if now is None else now
     st = load_state(a.state)
     st.setdefault("restarts", [])
     st["restarts"] = [t for t in st["restarts"] if now - t < a.window]
+    if paused(a, st, now):
+        st.update(failures=0, sample=None, progress_at=None)
+        save_state(a.state, st)
+        return 0
     us = unit_state(a.systemctl, a.unit)
     if us.get("ActiveState") != "active":
-        st.update(failures=0, invocation=None, healthy_seen=False)
+        st.update(failures=0, invocation=None, healthy_seen=False, sample=None, progress_at=None)
         save_state(a.state, st)
         return 0
     if st.get("gave_up"):
@@ -132,12 +381,32 @@ def run(a: argparse.Namespace, now: float | None = None) -> int:
         log(f"{a.unit}: active again after the give-up; restart count reset")
         st.update(gave_up=None, restarts=[])
     if us.get("InvocationID") != st.get("invocation"):
-        st.update(invocation=us.get("InvocationID"), failures=0, healthy_seen=False)
-    reason = probe(a)
-    if not reason:
-        st.update(failures=0, healthy_seen=True)
+        st.update(invocation=us.get("InvocationID"), failures=0, healthy_seen=False, sample=None,
+                  progress_at=None)
+    v, cur = observe(a, _sample_of(st.get("sample")), st.get("progress_at"))
+    st.update(sample=asdict(cur) if cur else None, progress_at=v.progress_at,
+              last={"t": now, "kind": v.kind, "reason": v.reason})
+    if cur is not None:
+        st["healthy_seen"] = True  # /health and /metrics answered: loaded
+    if v.kind == "config":
+        if st.get("config_error") != v.reason:
+            log(f"{a.unit}: CONFIGURATION ERROR, not a dead server (no restart): {v.reason}")
+            st["config_error"] = v.reason
         save_state(a.state, st)
         return 0
+    if v.kind == "ok" and st.get("config_error") and (v.reason.startswith("idle")
+                                                      or st["config_error"].startswith("/metrics")):
+        log(f"{a.unit}: the configuration error is gone ({v.reason})")
+        st.pop("config_error")
+    if v.kind in ("ok", "busy"):
+        if v.kind == "ok":
+            st["failures"] = 0
+        save_state(a.state, st)
+        return 0
+    return _failed(a, st, us, v.reason, now)
+
+
+def _failed(a: argparse.Namespace, st: dict, us: dict[str, str], reason: str, now: float) -> int:
     active_for = time.monotonic() - int(us.get("ActiveEnterTimestampMonotonic") or 0) / 1e6
     if not st.get("healthy_seen") and active_for < a.grace:
         log(f"{a.unit}: {reason}; still loading ({active_for:.0f}s of {a.grace:.0f}s grace), not counted")
@@ -161,10 +430,10 @@ def run(a: argparse.Namespace, now: float | None = None) -> int:
         save_state(a.state, st)
         return 1
     st["restarts"].append(now)
-    st.update(failures=0, healthy_seen=False)
+    st.update(failures=0, healthy_seen=False, sample=None, progress_at=None)
     save_state(a.state, st)
     log(f"{a.unit}: restarting after {a.failures} failed probes "
-        f"(restart {len(st['restarts'])} of {a.max_restarts} allowed within {a.window:.0f}s)")
+        f"(restart {len(st['restarts'])} of {a.max_restarts} allowed within {a.window:.0f}s): {reason}")
     subprocess.run([a.systemctl, "restart", "--no-block", a.unit], check=False)
     return 0
 

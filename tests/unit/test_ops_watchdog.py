@@ -1,19 +1,110 @@
-"""scripts/ops_watchdog.py against the stand-in server in wedge mode and a fake systemctl (issue 24)."""
+"""scripts/ops_watchdog.py: the pure decision over /metrics samples, and whole runs against the stand-in
+server (engine hang, /health wedge, max_num_seqs queue) with a fake systemctl (issues 24, 29)."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import ops_watchdog as wd
 import pytest
 from fixtures.standin_server.server import Config, StandinServer
+from ops_watchdog import Probe, Sample
 
 
+def s(t: float, gen: float = 0, running: float = 0, waiting: float = 0, prompt: float = 0, done: float = 0,
+      started: float | None = 1.0) -> Sample:
+    return Sample(t, gen, prompt, done, running, waiting, started)
+
+
+# ------------------------------------------------------------------------------- judge (pure)
+def test_tokens_that_advance_are_progress_whatever_the_latency() -> None:
+    v = wd.judge(s(0, gen=100, running=4, waiting=3), s(30, gen=160, running=4, waiting=3), 0.0, 300)
+    assert v.kind == "ok" and v.progress_at == 30 and "+60 tokens" in v.reason and "3 waiting" in v.reason
+
+
+def test_a_finished_request_or_prompt_tokens_are_progress_too() -> None:
+    assert wd.judge(s(0, gen=5, running=1), s(30, gen=5, running=1, done=1), 0.0, 300).kind == "ok"
+    assert wd.judge(s(0, gen=5, running=1), s(30, gen=5, running=1, prompt=9), 0.0, 300).kind == "ok"
+
+
+def test_in_flight_without_progress_fails_only_after_the_stall_time() -> None:
+    prev = s(0, gen=100, running=4)
+    busy = wd.judge(prev, s(30, gen=100, running=4), 0.0, 300)
+    assert busy.kind == "busy" and busy.progress_at == 0.0 and "30 s of 300 s" in busy.reason
+    stalled = wd.judge(s(270, gen=100, running=4), s(300, gen=100, running=4), 0.0, 300)
+    assert stalled.kind == "fail" and "no token generated for 300 s" in stalled.reason
+
+
+def test_requests_that_just_arrived_start_the_stall_clock() -> None:
+    # idle before, 4 in flight now, nothing generated yet (their prefill runs): not a stall, the clock starts
+    v = wd.judge(s(0, gen=100), s(30, gen=100, running=4), None, 10)
+    assert v.kind == "busy" and v.progress_at == 30
+    # nor on the very first look
+    v = wd.judge(None, s(30, gen=100, running=4), None, 10)
+    assert v.kind == "busy" and v.progress_at == 30
+
+
+def test_waiting_requests_alone_are_in_flight() -> None:
+    v = wd.judge(s(0, gen=7, waiting=2), s(400, gen=7, waiting=2), 0.0, 300)
+    assert v.kind == "fail" and "0 running, 2 waiting" in v.reason
+
+
+def test_idle_asks_for_a_probe() -> None:
+    assert wd.judge(s(0, gen=7), s(30, gen=7), None, 300).kind == "probe"
+    assert wd.judge(None, s(30, gen=7), None, 300).kind == "probe"
+
+
+def test_a_restarted_server_is_a_new_baseline_not_a_stall() -> None:
+    # counters went back (a new process): no progress claimed, no stall either
+    v = wd.judge(s(0, gen=900, running=2), s(400, gen=3, running=2, started=2.0), 0.0, 300)
+    assert v.kind == "busy" and v.progress_at == 400
+
+
+def test_probe_verdicts() -> None:
+    cur = s(0, gen=7)
+    assert wd.judge_probe(cur, Probe(200, seconds=0.2), None, "m", None).kind == "ok"
+    for code in (401, 403):
+        v = wd.judge_probe(cur, Probe(code), None, "m", "/etc/key")
+        assert v.kind == "config" and f"HTTP {code}" in v.reason and "/etc/key" in v.reason
+        assert "vllm_api_key_file" in v.reason
+    v = wd.judge_probe(cur, Probe(404), None, "qwen", None)
+    assert v.kind == "config" and "'qwen'" in v.reason and "vllm_served_model_name" in v.reason
+    assert wd.judge_probe(cur, Probe(500), s(5, gen=7), "m", None).kind == "fail"
+    hung = wd.judge_probe(cur, Probe(None, "TimeoutError: timed out"), s(10, gen=7), "m", None)
+    assert hung.kind == "fail" and "TimeoutError" in hung.reason
+    # a burst arrived as the probe went out: the tokens it got are progress, the probe's wait is not a failure
+    burst = wd.judge_probe(cur, Probe(None, "TimeoutError"), s(10, gen=40, running=4, waiting=1), "m", None)
+    assert burst.kind == "busy" and "+33 tokens" in burst.reason
+
+
+def test_parse_metrics_sums_engines_and_names_what_is_missing() -> None:
+    text = ('# TYPE vllm:generation_tokens counter\n'
+            'vllm:generation_tokens_total{engine="0",model_name="m"} 10.0\n'
+            'vllm:generation_tokens_total{engine="1",model_name="m"} 5.0\n'
+            'vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e9\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+            'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 3.0\n'
+            'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0\n'
+            'process_start_time_seconds 1.5e9\n')
+    got = wd.parse_metrics(text, 7.0)
+    assert (got.generated, got.running, got.waiting, got.finished, got.started) == (15, 2, 1, 4, 1.5e9)
+    with pytest.raises(ValueError, match=r"no vllm:generation_tokens_total or vllm:num_requests_running.*"
+                                         r"--disable-log-stats"):
+        wd.parse_metrics("process_start_time_seconds 1.0\n", 0)
+
+
+# ------------------------------------------------------------------ whole runs against the stand-in
 @pytest.fixture
 def bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    wedge = tmp_path / "wedge"
+    wedge, engine_wedge = tmp_path / "wedge", tmp_path / "engine-wedge"
     monkeypatch.setenv("STANDIN_WEDGE_FILE", str(wedge))
+    monkeypatch.setenv("STANDIN_ENGINE_WEDGE_FILE", str(engine_wedge))
     calls = tmp_path / "calls"
     fake = tmp_path / "systemctl"
     fake.write_text(
@@ -24,24 +115,108 @@ def bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     )
     fake.chmod(0o755)
     (tmp_path / "active").write_text("active\n")
-    srv = StandinServer(Config(model="m")).start()
-    yield tmp_path, wedge, calls, fake, srv
+    srv = StandinServer(Config(model="m", max_running=2, step_time=0.01)).start()
+    yield tmp_path, wedge, engine_wedge, calls, fake, srv
     wedge.unlink(missing_ok=True)
+    engine_wedge.unlink(missing_ok=True)
     srv.stop()
 
 
 def _args(tmp: Path, fake: Path, srv: StandinServer, *extra: str):
     return wd.parse_args(["--unit", "u.service", "--url", srv.base_url, "--state", str(tmp / "st.json"),
                           "--failures", "2", "--max-restarts", "1", "--timeout", "0.5", "--grace", "0",
-                          "--timer", "w.timer", "--systemctl", str(fake), *extra])
+                          "--stall", "0.3", "--timer", "w.timer", "--systemctl", str(fake),
+                          "--completion-model", "m", *extra])
 
 
 def _calls(calls: Path) -> list[str]:
     return calls.read_text().splitlines() if calls.exists() else []
 
 
+def _last(tmp: Path) -> dict:
+    return json.loads((tmp / "st.json").read_text())["last"]
+
+
+def _long_requests(srv: StandinServer, n: int, tokens: int) -> list[threading.Thread]:
+    def one() -> None:
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        c.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "m", "stream": True, "max_tokens": tokens,
+             "messages": [{"role": "user", "content": "x"}]}),
+            {"Content-Type": "application/json"})
+        r = c.getresponse()
+        while r.read(4096):
+            pass
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _wait_running(srv: StandinServer, running: int, waiting: int) -> None:
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        if (srv.engine.c.running, srv.engine.c.waiting) == (running, waiting):
+            return
+        time.sleep(0.02)
+    raise AssertionError((srv.engine.c.running, srv.engine.c.waiting))
+
+
+def test_max_num_seqs_long_requests_in_flight_are_never_restarted(bed) -> None:
+    tmp, _, _, calls, fake, srv = bed
+    a = _args(tmp, fake, srv)
+    threads = _long_requests(srv, 3, 400)  # 2 run (max_running), 1 waits; ~4 s each
+    _wait_running(srv, 2, 1)
+    # the stand-in as vLLM: at max_num_seqs a one-token request waits in the queue (the old probe's failure)
+    assert wd.probe_completion(a, None).status is None
+    for _ in range(6):
+        assert wd.run(a) == 0
+        time.sleep(0.35)  # longer than --stall: only progress keeps it alive
+    assert _calls(calls) == []
+    assert _last(tmp)["kind"] == "ok" and "tokens" in _last(tmp)["reason"]
+    for t in threads:
+        t.join(30)
+
+
+def test_a_hung_engine_behind_a_healthy_api_is_restarted(bed, capsys) -> None:
+    tmp, _, engine_wedge, calls, fake, srv = bed
+    a = _args(tmp, fake, srv)
+    threads = _long_requests(srv, 2, 2000)
+    _wait_running(srv, 2, 0)
+    assert wd.run(a) == 0
+    engine_wedge.touch()  # tokens stop; /health still answers 200, as vLLM's does
+    try:
+        assert wd.health(a) == ""
+        results = []
+        for _ in range(6):
+            results.append(wd.run(a))
+            time.sleep(0.2)
+            if _calls(calls):
+                break
+        assert _calls(calls) == ["restart --no-block u.service"], capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "stalled: 2 running, 0 waiting, no token generated for" in out, out
+    finally:
+        engine_wedge.unlink()
+    for t in threads:
+        t.join(60)
+
+
+def test_an_idle_hung_engine_fails_the_one_token_probe(bed, capsys) -> None:
+    tmp, _, engine_wedge, calls, fake, srv = bed
+    a = _args(tmp, fake, srv)
+    assert wd.run(a) == 0 and _last(tmp)["kind"] == "ok"  # idle, one token answered
+    engine_wedge.touch()
+    try:
+        assert wd.run(a) == 0 and wd.run(a) == 0
+    finally:
+        engine_wedge.unlink()
+    assert _calls(calls) == ["restart --no-block u.service"]
+    assert "idle, and the one-token probe failed: no answer (TimeoutError" in capsys.readouterr().out
+
+
 def test_wedged_health_restarts_after_n_failures_then_gives_up(bed, capsys) -> None:
-    tmp, wedge, calls, fake, srv = bed
+    tmp, wedge, _, calls, fake, srv = bed
     a = _args(tmp, fake, srv)
     assert wd.run(a) == 0 and _calls(calls) == []  # healthy
     wedge.touch()  # the process lives on, /health hangs
@@ -54,7 +229,7 @@ def test_wedged_health_restarts_after_n_failures_then_gives_up(bed, capsys) -> N
 
 
 def test_a_stopped_unit_is_never_probed_nor_started(bed) -> None:
-    tmp, wedge, calls, fake, srv = bed
+    tmp, wedge, _, calls, fake, srv = bed
     (tmp / "active").write_text("inactive\n")
     wedge.touch()
     a = _args(tmp, fake, srv)
@@ -64,7 +239,7 @@ def test_a_stopped_unit_is_never_probed_nor_started(bed) -> None:
 
 
 def test_a_loading_server_is_not_judged_within_its_grace(bed) -> None:
-    tmp, wedge, calls, fake, srv = bed
+    tmp, wedge, _, calls, fake, srv = bed
     wedge.touch()
     a = _args(tmp, fake, srv, "--grace", str(10**9))
     for _ in range(4):
@@ -73,7 +248,7 @@ def test_a_loading_server_is_not_judged_within_its_grace(bed) -> None:
 
 
 def test_a_start_after_the_give_up_resets_the_rate_limit(bed, capsys) -> None:
-    tmp, wedge, calls, fake, srv = bed
+    tmp, wedge, _, calls, fake, srv = bed
     a = _args(tmp, fake, srv)
     wedge.touch()
     results = [wd.run(a) for _ in range(4)]  # 2 failures -> restart, 2 more -> give up
@@ -85,33 +260,90 @@ def test_a_start_after_the_give_up_resets_the_rate_limit(bed, capsys) -> None:
     assert not json.loads((tmp / "st.json").read_text())["gave_up"]
 
 
-def test_the_one_token_completion_catches_an_engine_stuck_behind_a_healthy_api(bed, tmp_path, monkeypatch,
-                                                                              capsys) -> None:
-    """vLLM's API server can answer /health while its engine hangs: --completion-model asks for one token,
-    and that probe (not /health) finds it. A wrong model name is a failure too (vLLM answers 404)."""
-    tmp, wedge, calls, fake, srv = bed
-    engine_wedge = tmp_path / "engine-wedge"
-    monkeypatch.setenv("STANDIN_ENGINE_WEDGE_FILE", str(engine_wedge))
-    plain = _args(tmp, fake, srv)
-    probing = _args(tmp, fake, srv, "--completion-model", "m")
-    assert wd.probe(probing) == ""  # healthy: /health 200 and one token
-    assert wd.probe(_args(tmp, fake, srv, "--completion-model", "other")) == "HTTP 404"
-    engine_wedge.touch()
-    try:
-        assert wd.probe(plain) == ""  # /health alone sees nothing wrong...
-        assert wd.probe(probing).startswith("no answer")  # ...the completion times out
-        assert wd.run(probing) == 0 and wd.run(probing) == 0
-        assert _calls(calls) == ["restart --no-block u.service"]
-    finally:
-        engine_wedge.unlink()
+def test_a_pause_file_stops_judging_and_a_stale_one_is_ignored(bed, capsys) -> None:
+    tmp, wedge, _, calls, fake, srv = bed
+    pause = tmp / "pause"
+    pause.write_text("serve: switch to mtp\n")
+    a = _args(tmp, fake, srv, "--pause-file", str(pause), "--pause-max", "3600")
+    wedge.touch()
+    for _ in range(4):
+        assert wd.run(a) == 0
+    assert _calls(calls) == []
+    out = capsys.readouterr().out
+    assert out.count("paused while serve: switch to mtp runs") == 1, out  # said once
+    stale = time.time() - 7200
+    os.utime(pause, (stale, stale))
+    assert wd.run(a) == 0 and wd.run(a) == 0
+    assert _calls(calls) == ["restart --no-block u.service"]
+    assert capsys.readouterr().out.count(f"ignoring the stale pause file {pause}") == 1
 
 
-def test_the_completion_probe_sends_the_api_key(tmp_path: Path, monkeypatch) -> None:
+def test_a_wrong_key_is_a_configuration_error_said_once_and_never_a_restart(tmp_path, monkeypatch,
+                                                                          capsys) -> None:
     monkeypatch.setenv("VLLM_API_KEY", "")
     key = tmp_path / "key"
-    key.write_text("s3cret\n")
+    key.write_text("k-0ld-9x\n")
+    fake = tmp_path / "systemctl"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = show ]; then echo ActiveState=active; echo InvocationID=i; "
+                    f"exit 0; fi\necho \"$@\" >> {tmp_path}/calls\n")
+    fake.chmod(0o755)
     with StandinServer(Config(model="m", api_key="s3cret")) as srv:
-        base = ["--unit", "u.service", "--url", srv.base_url, "--state", str(tmp_path / "st.json"),
-                "--timeout", "2", "--completion-model", "m"]
-        assert wd.probe(wd.parse_args(base)) == "HTTP 401"  # vLLM refuses /v1/* without the key
-        assert wd.probe(wd.parse_args([*base, "--api-key-file", str(key)])) == ""
+        a = _args(tmp_path, fake, srv, "--api-key-file", str(key))
+        for _ in range(5):
+            assert wd.run(a) == 0
+        out = capsys.readouterr().out
+        assert out.count("CONFIGURATION ERROR") == 1, out
+        assert "refused the one-token probe (HTTP 401)" in out
+        assert "k-0ld-9x" not in out  # the key is never logged
+        assert not (tmp_path / "calls").exists()
+        key.write_text("s3cret\n")
+        assert wd.run(a) == 0
+        assert "the configuration error is gone" in capsys.readouterr().out
+        assert _last(tmp_path)["kind"] == "ok"
+        # a wrong model name (vLLM: 404) is one too
+        b = _args(tmp_path, fake, srv, "--api-key-file", str(key), "--completion-model", "other")
+        assert wd.run(b) == 0 and wd.run(b) == 0
+        out = capsys.readouterr().out
+        assert out.count("does not serve model 'other' (HTTP 404)") == 1, out
+        assert not (tmp_path / "calls").exists()
+
+
+def test_a_missing_key_file_is_one_line_not_a_traceback(bed, capsys) -> None:
+    tmp, _, _, calls, fake, srv = bed
+    a = _args(tmp, fake, srv, "--api-key-file", str(tmp / "nope"))
+    assert wd.main(["--unit", "u.service", "--url", srv.base_url, "--state", str(tmp / "st.json"),
+                    "--systemctl", str(fake), "--completion-model", "m",
+                    "--api-key-file", str(tmp / "nope")]) == 0
+    assert wd.run(a) == 0
+    out = capsys.readouterr()
+    lines = [x for x in out.out.splitlines() if x]
+    assert len(lines) == 1 and f"cannot read the API key file {tmp / 'nope'}" in lines[0], out
+    assert "Traceback" not in out.out + out.err
+    assert _calls(calls) == []
+
+
+# ------------------------------------------------------------- the role's grace, from the serve stage
+def _grace(**play: object) -> tuple[int, int]:
+    import jinja2
+    import yaml
+    from ansible.plugins.filter.core import FilterModule as CoreFilters
+
+    roles = Path(__file__).resolve().parents[2] / "roles"
+    env = jinja2.Environment()
+    env.filters.update({k: f for k, f in CoreFilters().filters().items() if k not in ("default", "d")})
+    ops = yaml.safe_load((roles / "spark_ops" / "defaults" / "main.yml").read_text())
+    serve = yaml.safe_load((roles / "serve" / "defaults" / "main.yml").read_text())
+    ctx = {"_spark_ops_serve_defaults": serve, **play}
+    grace = env.from_string(ops["spark_ops_watchdog_grace"]).render(ctx)
+    pause_max = env.from_string(ops["spark_ops_watchdog_pause_max"]).render(spark_ops_watchdog_grace=grace)
+    return int(grace), int(pause_max)
+
+
+def test_the_grace_covers_the_longest_start_the_serve_stage_accepts() -> None:
+    from sparkllm.serve_phases import DEFAULT_BUDGETS
+
+    # the serve role's budgets are serve_phases' defaults; their sum exceeds serve_ready_timeout (7200)
+    assert _grace() == (sum(DEFAULT_BUDGETS.values()), 2 * sum(DEFAULT_BUDGETS.values()))
+    assert _grace(serve_ready_timeout=20000)[0] == 20000
+    # a budget the owner raised counts, over the others' defaults (as serve_wait merges them)
+    assert _grace(serve_phase_budgets={"weights": 50000})[0] == sum(DEFAULT_BUDGETS.values()) - 1800 + 50000
