@@ -347,3 +347,15 @@ def test_the_grace_covers_the_longest_start_the_serve_stage_accepts() -> None:
     assert _grace(serve_ready_timeout=20000)[0] == 20000
     # a budget the owner raised counts, over the others' defaults (as serve_wait merges them)
     assert _grace(serve_phase_budgets={"weights": 50000})[0] == sum(DEFAULT_BUDGETS.values()) - 1800 + 50000
+
+
+def test_state_file_is_what_the_exporter_reads(tmp_path: Path) -> None:
+    """The watchdog's state is the GB10 exporter's source of the give-up alert (scripts/gb10_exporter.py,
+    file contract in its docstring): readable by other users, and a give-up exported as 1."""
+    import gb10_exporter
+
+    state = tmp_path / "watchdog.json"
+    wd.save_state(state, {"restarts": [time.time()], "gave_up": time.time(), "failures": 0})
+    assert state.stat().st_mode & 0o777 == 0o644
+    text = "\n".join(gb10_exporter.ops_metrics(tmp_path))
+    assert "sparkllm_watchdog_gave_up 1" in text and 'sparkllm_ops_state_up{file="watchdog.json"} 1' in text
