@@ -10,6 +10,12 @@ SCENARIOS ?= site vllm_build serve cluster model ops bench metrics preflight
 # scratch directory of `make bench-merge`, on the disk to measure (its 16 GB round holds ~42 GB there)
 BENCH_DIR ?= /var/tmp
 export PATH := $(CURDIR)/$(BIN):$(PATH)
+# User variables reach the recipes through the environment ("$$VAR" or scripts/make_run.py), never
+# pasted into a shell line: `;`, quotes or `#` in a value cannot run a command or drop --check.
+# Each value is taken as written: make does not expand `$(...)` in it (no `$(shell ...)` either).
+USER_VARS := SPEC_METHOD INVENTORY ARGS PYTHON SCENARIOS BENCH_DIR
+$(foreach v,$(USER_VARS),$(eval override $(v) := $$(value $(v))))
+export $(USER_VARS) BIN
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image \
@@ -17,7 +23,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 # --- set-up ----------------------------------------------------------------
 $(BIN)/.stamp: requirements.txt
-	$(PYTHON) -m venv $(VENV)
+	"$$PYTHON" -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements.txt
 	touch $@
@@ -26,16 +32,16 @@ setup: $(BIN)/.stamp  ## create .venv with every pinned dependency (quick when d
 
 # --- the main job ----------------------------------------------------------
 deploy: setup  ## provision this Spark (or the inventory's) for SPEC_METHOD
-	$(BIN)/ansible-playbook -i $(INVENTORY) site.yml -e spec_method=$(SPEC_METHOD) $(ARGS)
+	$(BIN)/python scripts/make_run.py deploy
 
 check: setup  ## dry run of deploy (check mode, diff)
-	$(BIN)/ansible-playbook -i $(INVENTORY) site.yml -e spec_method=$(SPEC_METHOD) --check --diff $(ARGS)
+	$(BIN)/python scripts/make_run.py check
 
 # --- tests -----------------------------------------------------------------
 # unit alone, then the molecule scenarios in the background with lint and contract beside them at a lower
 # CPU priority (tests/harness/test_all.sh says why); the targets below run each suite on its own
 test: setup testhost-image  ## everything CI runs
-	SCENARIOS="$(SCENARIOS)" bash tests/harness/test_all.sh
+	bash tests/harness/test_all.sh
 
 lint: setup
 	$(BIN)/ruff check .
@@ -57,11 +63,11 @@ testhost-image:
 
 # scenarios run MOLECULE_JOBS at a time (default 2); logs in .cache/molecule/
 molecule: setup testhost-image
-	bash tests/harness/run_molecule.sh $(SCENARIOS)
+	bash tests/harness/run_molecule.sh $$SCENARIOS
 
 # --- performance scripts (ratios measured in one run) -----------------------
 bench-merge: setup
-	$(BIN)/python tests/perf/bench_merge.py --size-gb 8 --double --workdir $(BENCH_DIR)
+	$(BIN)/python tests/perf/bench_merge.py --size-gb 8 --double --workdir "$$BENCH_DIR"
 
 bench-runner: setup
 	$(BIN)/python tests/perf/bench_runner_overhead.py
@@ -76,18 +82,18 @@ clean:
 # --- real GPU (not part of `make test`: CI has no GPU) -------------------------------------------
 # On a host with a CUDA GPU where `import vllm` works; see tests/gpu/e2e.py and the README.
 gpu-e2e:
-	$(PYTHON) tests/gpu/e2e.py --out results/gpu-e2e $(ARGS)
+	"$$PYTHON" scripts/make_run.py gpu-e2e
 
 # First starts with CUDA graphs, FlashInfer, fastsafetensors and EAGLE-3 (tests/gpu/first_start.py);
 # ARGS e.g. --cases graph-base,fi-graph-base --flashinfer-cuda-home DIR (tests/gpu/cuda_home.sh makes one)
 gpu-first-start:
-	$(PYTHON) tests/gpu/first_start.py --out results/gpu-first-start $(ARGS)
+	"$$PYTHON" scripts/make_run.py gpu-first-start
 
 # DFlash (tiny drafter) and bench.py --concurrency 1,2,4 on vLLM 0.26.0 (tests/gpu/dflash_bench.py)
 gpu-dflash:
-	$(PYTHON) tests/gpu/dflash_bench.py --out results/gpu-dflash $(ARGS)
+	"$$PYTHON" scripts/make_run.py gpu-dflash
 
 # Negative control (a hybrid with 1/16 shared-expert scales must fail the hybrid check) and vLLM's memory
 # reservation against total x utilization (tests/gpu/shared_experts.py); 0.20.0 or 0.26.0
 gpu-shared-experts:
-	$(PYTHON) tests/gpu/shared_experts.py --out results/gpu-shared-experts $(ARGS)
+	"$$PYTHON" scripts/make_run.py gpu-shared-experts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import namedtuple
@@ -139,7 +140,7 @@ def test_token_sent_but_never_leaked(pair: GeneratedPair, tmp_path: Path) -> Non
 
 def test_disk_space_refusal(pair: GeneratedPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(fc.shutil, "disk_usage", lambda p: Usage(10**12, 10**12, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**12, 10**12, 1000))
     with pytest.raises(fc.FetchError) as exc:
         fc.check_disk_space(tmp_path / "not" / "yet", 5 * 2**30)
     msg = str(exc.value)
@@ -193,7 +194,8 @@ def test_corrupt_mirror_file_caught(pair: GeneratedPair, tmp_path: Path) -> None
 def test_mirror_without_manifest(tmp_path: Path) -> None:
     (tmp_path / "mirror").mkdir()
     r = run("mirror", "--src", str(tmp_path / "mirror"), "--dest", str(tmp_path / "d"))
-    assert r.returncode == 1 and "manifest missing" in r.stderr and "manifest" in r.stderr
+    assert r.returncode == 2 and "manifest missing" in r.stderr and "fetch_checkpoint.py manifest" in r.stderr
+    assert not (tmp_path / "d").exists()  # a usage error creates nothing
 
 
 # ------------------------------------------------------------------ hub mode (fake client)
@@ -280,7 +282,7 @@ def test_hub_include_filter_and_no_match(pair: GeneratedPair, tmp_path: Path) ->
 def test_token_file_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     empty = tmp_path / "t"
     empty.write_text("\n")
-    with pytest.raises(fc.FetchError, match="empty"):
+    with pytest.raises(fc.UsageError, match="--token-file is empty"):
         fc.read_token(empty)
     monkeypatch.setenv("HF_TOKEN", SECRET)
     assert fc.read_token(None) == SECRET
