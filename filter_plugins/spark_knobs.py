@@ -16,7 +16,9 @@ known name is refused with the closest known one. Owners' own variables in those
 when ``spark_knobs_allowed`` names them (names or shell patterns such as ``spark_site_*``).
 
 The stage tags are the play tags of ``playbooks/*.yml`` (in site.yml's order); the known tags are
-every tag used in ``site.yml``, ``playbooks/`` and ``roles/`` plus Ansible's own special tags.
+every tag used in ``site.yml``, ``playbooks/`` and ``roles/`` plus Ansible's own special tags and
+molecule's ``molecule-notest``/``notest``/``molecule-idempotence-notest`` in --skip-tags (it skips
+them in its runs).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import yaml
 
 PROJECT = Path(__file__).resolve().parents[1]
 SPECIAL_TAGS = ("all", "always", "never", "tagged", "untagged")
+# molecule runs its playbooks with --skip-tags molecule-notest,notest,molecule-idempotence-notest (its
+# convention for tasks to leave out): tags of the test tool, known in --skip-tags only
+TOOL_SKIP_TAGS = re.compile(r"notest|molecule-[a-z-]*notest")
 ALLOW_VAR = "spark_knobs_allowed"
 _SET_FACT = ("set_fact", "ansible.builtin.set_fact", "ansible.legacy.set_fact")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -163,7 +168,7 @@ def spark_tag_errors(run_tags, skip_tags=(), root: str | None = None) -> list[st
     errors = []
     for flag, given in (("--tags", run_tags), ("--skip-tags", skip_tags)):
         for tag in [given] if isinstance(given, str) else list(given or []):
-            if tag not in data["tags"]:
+            if tag not in data["tags"] and not (flag == "--skip-tags" and TOOL_SKIP_TAGS.fullmatch(tag)):
                 errors.append(f"{flag} {tag}: no play or task has this tag{_suggest(tag, data['tags'])}")
     if errors:
         errors.append("the stage tags are " + ", ".join(data["stage_tags"]))

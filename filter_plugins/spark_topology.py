@@ -70,8 +70,10 @@ def _link_errors(host: str, hostvars: Mapping) -> tuple[list[str], list]:
                           f"spark_link_addresses: [192.168.100.10/24, 192.168.101.10/24] ({_EXAMPLE})")
         return errors, [None] * len(ifaces)
     if len(addresses) != len(ifaces):
-        errors.append(f"{host}: spark_link_addresses has {len(addresses)} entries for {len(ifaces)} interfaces "
-                      f"of spark_link_interfaces ({', '.join(ifaces)}): give one CIDR per interface, same order")
+        errors.append(f"{host}: spark_link_addresses has {len(addresses)} entries for {len(ifaces)} "
+                      f"interfaces "
+                      f"of spark_link_interfaces ({', '.join(ifaces)}): give one CIDR per "
+                      f"interface, same order")
     networks = []
     for address in addresses:
         try:
@@ -79,7 +81,8 @@ def _link_errors(host: str, hostvars: Mapping) -> tuple[list[str], list]:
             if "/" not in str(address) or iface.version != 4 or iface.network.prefixlen == 0:
                 raise ValueError
         except ValueError:
-            errors.append(f"{host}: spark_link_addresses entry {address!r} is not an IPv4 CIDR address such as "
+            errors.append(f"{host}: spark_link_addresses entry {address!r} is not an IPv4 CIDR "
+                          f"address such as "
                           f"192.168.100.10/24")
             networks.append(None)
             continue
@@ -104,8 +107,8 @@ def spark_cluster_inventory_errors(groups: Mapping, hostvars: Mapping) -> list[s
         errors.append(f"spark_tensor_parallel_size={tp_raw!r} must be an integer >= 1 (pass numbers as JSON: "
                       "-e '{\"spark_tensor_parallel_size\": 2}')")
     if gpus is None or gpus < 1:
-        errors.append(f"ray_cluster_gpus_per_node={_var(hostvars, first, 'ray_cluster_gpus_per_node')!r} must be "
-                      "an integer >= 1")
+        raw = _var(hostvars, first, "ray_cluster_gpus_per_node")
+        errors.append(f"ray_cluster_gpus_per_node={raw!r} must be an integer >= 1")
     if not workers:
         if tp and gpus and tp > gpus:
             errors.append(f"spark_tensor_parallel_size={tp} needs {tp} GPUs, but the inventory has one Spark "
@@ -113,15 +116,18 @@ def spark_cluster_inventory_errors(groups: Mapping, hostvars: Mapping) -> list[s
                           f"({_EXAMPLE}) or set spark_tensor_parallel_size to {gpus}")
         return errors
     if len(head) != 1:
-        errors.append(f"spark_head has {len(head)} hosts ({', '.join(head) or 'none'}): put exactly one host in "
+        errors.append(f"spark_head has {len(head)} hosts ({', '.join(head) or 'none'}): put exactly "
+                      f"one host in "
                       f"spark_head and the others in spark_workers ({_EXAMPLE})")
     both = sorted(set(head) & set(workers))
     if both:
-        errors.append(f"{', '.join(both)} in both spark_head and spark_workers: a node is the head or a worker")
+        errors.append(f"{', '.join(both)} in both spark_head and spark_workers: a node is the head "
+                      f"or a worker")
     nodes = list(dict.fromkeys(head[:1] + workers))
     outside = [n for n in nodes if n not in (groups.get("spark") or [])]
     if outside:
-        errors.append(f"{', '.join(outside)} not in the spark group: spark_head and spark_workers must be its "
+        errors.append(f"{', '.join(outside)} not in the spark group: spark_head and spark_workers "
+                      f"must be its "
                       f"children ({_EXAMPLE})")
     backend = _var(hostvars, first, "spark_distributed_backend") or "ray"
     if backend not in ("ray", "mp"):
@@ -143,14 +149,16 @@ def spark_cluster_inventory_errors(groups: Mapping, hostvars: Mapping) -> list[s
                 continue
             ip = str(net.ip)
             if ip in seen:
-                errors.append(f"{node} and {seen[ip]} both have the link address {ip} in spark_link_addresses: "
+                errors.append(f"{node} and {seen[ip]} both have the link address {ip} in "
+                              f"spark_link_addresses: "
                               "give every node its own")
             seen.setdefault(ip, node)
     ref = per_node.get(nodes[0]) if nodes else None
     for node in nodes[1:]:
         for i, (a, b) in enumerate(zip(ref or [], per_node.get(node) or [], strict=False)):
             if a is not None and b is not None and a.network != b.network:
-                errors.append(f"{node}: spark_link_addresses entry {i + 1} ({b}) is not on {nodes[0]}'s subnet "
+                errors.append(f"{node}: spark_link_addresses entry {i + 1} ({b}) is not on "
+                              f"{nodes[0]}'s subnet "
                               f"{a.network}: the twin interfaces of linked Sparks share one subnet each")
     if backend == "mp":
         head_addr = str(_var(hostvars, nodes[0], "spark_master_addr") or "") if nodes else ""
@@ -159,7 +167,8 @@ def spark_cluster_inventory_errors(groups: Mapping, hostvars: Mapping) -> list[s
         head_nets = per_node.get(nodes[0]) or []
         idx = ifaces.index(nccl) if isinstance(ifaces, list) and nccl in ifaces else -1
         if not head_addr and not (0 <= idx < len(head_nets) and head_nets[idx] is not None):
-            errors.append(f"spark_distributed_backend=mp needs the head's address: set spark_link_addresses on "
+            errors.append(f"spark_distributed_backend=mp needs the head's address: set "
+                          f"spark_link_addresses on "
                           f"{nodes[0] if nodes else 'the head'} or spark_master_addr")
     return errors
 
