@@ -71,8 +71,7 @@ def _link_errors(host: str, hostvars: Mapping) -> tuple[list[str], list]:
         return errors, [None] * len(ifaces)
     if len(addresses) != len(ifaces):
         errors.append(f"{host}: spark_link_addresses has {len(addresses)} entries for {len(ifaces)} "
-                      f"interfaces "
-                      f"of spark_link_interfaces ({', '.join(ifaces)}): give one CIDR per "
+                      f"interfaces of spark_link_interfaces ({', '.join(ifaces)}): give one CIDR per "
                       f"interface, same order")
     networks = []
     for address in addresses:
@@ -82,8 +81,7 @@ def _link_errors(host: str, hostvars: Mapping) -> tuple[list[str], list]:
                 raise ValueError
         except ValueError:
             errors.append(f"{host}: spark_link_addresses entry {address!r} is not an IPv4 CIDR "
-                          f"address such as "
-                          f"192.168.100.10/24")
+                          "address such as 192.168.100.10/24")
             networks.append(None)
             continue
         networks.append(iface)
@@ -117,18 +115,16 @@ def spark_cluster_inventory_errors(groups: Mapping, hostvars: Mapping) -> list[s
         return errors
     if len(head) != 1:
         errors.append(f"spark_head has {len(head)} hosts ({', '.join(head) or 'none'}): put exactly "
-                      f"one host in "
-                      f"spark_head and the others in spark_workers ({_EXAMPLE})")
+                      f"one host in spark_head and the others in spark_workers ({_EXAMPLE})")
     both = sorted(set(head) & set(workers))
     if both:
         errors.append(f"{', '.join(both)} in both spark_head and spark_workers: a node is the head "
-                      f"or a worker")
+                      "or a worker")
     nodes = list(dict.fromkeys(head[:1] + workers))
     outside = [n for n in nodes if n not in (groups.get("spark") or [])]
     if outside:
         errors.append(f"{', '.join(outside)} not in the spark group: spark_head and spark_workers "
-                      f"must be its "
-                      f"children ({_EXAMPLE})")
+                      f"must be its children ({_EXAMPLE})")
     backend = _var(hostvars, first, "spark_distributed_backend") or "ray"
     if backend not in ("ray", "mp"):
         errors.append(f"spark_distributed_backend={backend!r} cannot span {len(nodes)} Sparks: set it to ray "
@@ -150,16 +146,14 @@ def spark_cluster_inventory_errors(groups: Mapping, hostvars: Mapping) -> list[s
             ip = str(net.ip)
             if ip in seen:
                 errors.append(f"{node} and {seen[ip]} both have the link address {ip} in "
-                              f"spark_link_addresses: "
-                              "give every node its own")
+                              "spark_link_addresses: give every node its own")
             seen.setdefault(ip, node)
     ref = per_node.get(nodes[0]) if nodes else None
     for node in nodes[1:]:
         for i, (a, b) in enumerate(zip(ref or [], per_node.get(node) or [], strict=False)):
             if a is not None and b is not None and a.network != b.network:
-                errors.append(f"{node}: spark_link_addresses entry {i + 1} ({b}) is not on "
-                              f"{nodes[0]}'s subnet "
-                              f"{a.network}: the twin interfaces of linked Sparks share one subnet each")
+                errors.append(f"{node}: spark_link_addresses entry {i + 1} ({b}) is not on {nodes[0]}'s "
+                              f"subnet {a.network}: the twin interfaces of linked Sparks share a subnet")
     if backend == "mp":
         head_addr = str(_var(hostvars, nodes[0], "spark_master_addr") or "") if nodes else ""
         ifaces = _var(hostvars, nodes[0], "spark_link_interfaces") if nodes else []
@@ -167,9 +161,8 @@ def spark_cluster_inventory_errors(groups: Mapping, hostvars: Mapping) -> list[s
         head_nets = per_node.get(nodes[0]) or []
         idx = ifaces.index(nccl) if isinstance(ifaces, list) and nccl in ifaces else -1
         if not head_addr and not (0 <= idx < len(head_nets) and head_nets[idx] is not None):
-            errors.append(f"spark_distributed_backend=mp needs the head's address: set "
-                          f"spark_link_addresses on "
-                          f"{nodes[0] if nodes else 'the head'} or spark_master_addr")
+            errors.append("spark_distributed_backend=mp needs the head's address: set spark_link_addresses "
+                          f"on {nodes[0] if nodes else 'the head'} or spark_master_addr")
     return errors
 
 

@@ -83,7 +83,7 @@ BAD_E = [
     (["-e", "spec_num_speculative_tokens=3"], "spec_num_speculative_tokens"),
     (["-e", "spec_methd=ngram"], "spec_methd is not a variable of this toolkit (did you mean spec_method?)"),
     (["-e", "vllm_gpu_memory_utilisation=0.8"], "(did you mean vllm_gpu_memory_utilization?)"),
-    (["--tags", "serv"], "--tags serv: no play or task has this tag (did you mean serve?); the stage tags are"),
+    (["--tags", "serv"], "--tags serv: no play or task has this tag (did you mean serve?); the stage tags"),
 ]
 
 
