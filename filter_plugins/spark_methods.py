@@ -578,15 +578,21 @@ def spark_attention_backend(settings: Mapping, catalogue: Mapping) -> str | None
     return (entry.get("serve_flags") or {}).get("attention_backend")
 
 
-def spark_settings(variables: Mapping) -> dict:
-    """The settings this module reads, picked from a mapping of variables (e.g. a host's hostvars).
+def spark_settings(variables: Mapping, overrides: Mapping | None = None) -> dict:
+    """THE settings of the argv filter, picked from a host's variables: the one builder that
+    validation (playbooks/validate.yml), the serve role, the cluster record and the bench record use,
+    so that the unit, the records and what was validated are the same.
 
-    Names the mapping does not define are left out (they take SETTING_DEFAULTS).
+    Names the mapping does not define are left out (they take SETTING_DEFAULTS). A name set to null
+    is kept as None: "null = vLLM's default", the filter renders no option for it (never the toolkit's
+    default). ``overrides`` (e.g. the model path inside the container, a pinned drafter) win.
     """
     picked = {}
-    for name in SETTING_DEFAULTS:
-        if name in variables:
-            picked[name] = variables[name]
+    if isinstance(variables, Mapping):
+        for name in SETTING_DEFAULTS:
+            if name in variables:
+                picked[name] = variables[name]
+    picked.update(overrides or {})
     return picked
 
 

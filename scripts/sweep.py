@@ -524,8 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unchecked", action="store_true",
                    help="let --leave-best and the best configuration be a method whose outputs were never "
                         "compared with a baseline run (default: such methods are left out of the choice)")
-    p.add_argument("--optimise-concurrency", type=int, default=1,
-                   help="the concurrency level the best configuration is chosen at")
+    p.add_argument("--optimise-concurrency", type=int, default=None,
+                   help="the concurrency level the best configuration is chosen at, one of --concurrency "
+                        "(default 1)")
     p.add_argument("--optimise-rate", type=float, default=None,
                    help="choose the best configuration at this offered request rate instead (highest "
                         "goodput); one of --request-rate (default: none, choose at --optimise-concurrency)")
@@ -580,6 +581,12 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
         raise UsageError("--extra-vars must be a JSON object, e.g. '{\"bench_repeats\": 2}'")
     if a.repeats < 1:
         raise UsageError("--repeats must be >= 1")
+    lo, hi = spec_tokens_range()
+    if not a.mtp_k or any(not lo <= k <= hi for k in a.mtp_k):
+        raise UsageError(f"--mtp-k {','.join(map(str, a.mtp_k))}: every K must be in {lo}..{hi} (the "
+                         "catalogue's limit), e.g. --mtp-k 1,2,4")
+    if a.optimise_concurrency is not None and a.optimise_concurrency < 1:
+        raise UsageError(f"--optimise-concurrency {a.optimise_concurrency}: must be a concurrency level >= 1")
     if a.inventory and "," not in a.inventory and not Path(a.inventory).exists():  # "host1,host2," is a list
         raise UsageError(f"--inventory {a.inventory}: no such file; pass your inventory "
                          "(e.g. a copy of inventory/examples/remote-spark.yml)")
@@ -594,6 +601,10 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
     if a.optimise_rate is not None and _rate_key(a.optimise_rate) not in {_rate_key(r) for r in load.rates}:
         raise UsageError(f"--optimise-rate {a.optimise_rate:g}: not one of the measured rates "
                          f"({','.join(f'{r:g}' for r in load.rates) or 'none: pass --request-rate'})")
+    if a.optimise_concurrency is not None and a.optimise_concurrency not in load.concurrency:
+        raise UsageError(f"--optimise-concurrency {a.optimise_concurrency}: not one of the measured levels "
+                         f"({','.join(map(str, load.concurrency)) or 'none: pass --concurrency'})")
+    ks = parse_k(a.k, settings.get("spark_method_catalogue") or {})  # up front, before any note
     methods, notes = choose_methods(a.methods, settings)
     for m, why in notes.items():
         verb = "may fail" if m in methods else "left out"
@@ -601,10 +612,9 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
     if not methods:
         raise UsageError("no method can be swept with these settings (see above); pass --methods")
     known = list(settings.get("spark_method_catalogue") or {})
-    ks = parse_k(a.k, settings.get("spark_method_catalogue") or {})
     sw = Sweep(expand_grid(methods, a.mtp_k, extra, known, ks), a.repeats, Path(a.results).resolve(),
                inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet,
-               optimise_concurrency=a.optimise_concurrency, optimise_rate=a.optimise_rate, load=load,
+               optimise_concurrency=a.optimise_concurrency or 1, optimise_rate=a.optimise_rate, load=load,
                allow_unchecked=a.allow_unchecked)
     res = sw.run()
     print(f"ran {len(res.ran)}, skipped {len(res.skipped)} (already recorded), failed {len(res.failed)}")

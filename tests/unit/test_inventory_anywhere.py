@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "inventory" / "examples"
-NO_STAGE_TAG = "sparkllm-validation-only"  # matches no task: only `always` (validation) runs
+NO_STAGE_TAG = "always"  # only the `always` plays run: validation, the cluster topology (no host contact)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("ansible-playbook", path=str(Path(sys.executable).parent)) is None
@@ -81,6 +81,9 @@ BAD_E = [
     (["-e", "spec_method=eagle3"], "spec_eagle3_drafter"),
     (["-e", "bench_force=yes"], "bench_force must be a boolean"),
     (["-e", "spec_num_speculative_tokens=3"], "spec_num_speculative_tokens"),
+    (["-e", "spec_methd=ngram"], "spec_methd is not a variable of this toolkit (did you mean spec_method?)"),
+    (["-e", "vllm_gpu_memory_utilisation=0.8"], "(did you mean vllm_gpu_memory_utilization?)"),
+    (["--tags", "serv"], "--tags serv: no play or task has this tag (did you mean serve?); the stage tags"),
 ]
 
 

@@ -100,10 +100,14 @@ def test_plugin_defaults_match_main_yml(main_yml):
     assert set(main_yml) == required
 
 
-def test_serve_role_passes_every_knob_to_the_filter():
-    """roles/serve picks the knobs by name: a knob missing there would silently take the default."""
-    names = yaml.safe_load((ROOT / "roles" / "serve" / "vars" / "main.yml").read_text())["_serve_knob_names"]
-    assert set(names) == set(SETTING_DEFAULTS) - {"vllm_model_path"}
+def test_serve_role_builds_its_settings_with_the_one_builder():
+    """roles/serve hands the host's variables to spark_settings (no list of names of its own that a
+    new knob could be missing from)."""
+    text = (ROOT / "roles" / "serve" / "vars" / "main.yml").read_text()
+    serve_vars = yaml.safe_load(text)
+    assert "_serve_knob_names" not in serve_vars
+    assert serve_vars["_serve_settings"].strip().startswith("{{ hostvars[inventory_hostname]")
+    assert "| spark_settings(" in serve_vars["_serve_settings"]
 
 
 def test_every_main_yml_knob_has_a_comment():
@@ -651,8 +655,9 @@ def test_bad_driver_opt_in_must_be_a_boolean(catalogue):
 
 def test_bad_driver_opt_in_is_a_serve_knob():
     # the serve role hands it to the filter, so its value reaches the argv and the serve fingerprint
-    names = yaml.safe_load((ROOT / "roles/serve/vars/main.yml").read_text())["_serve_knob_names"]
-    assert "spark_bad_driver_enforce_eager" in names
+    from spark_methods import spark_settings
+    picked = spark_settings({"spark_bad_driver_enforce_eager": True})
+    assert picked == {"spark_bad_driver_enforce_eager": True}
     assert "spark_bad_driver_enforce_eager" in SETTING_DEFAULTS
 
 

@@ -113,6 +113,14 @@ def test_default_run_leaves_out_and_names_unmet_methods(tmp_path: Path,
     (["--methods", "medusa"], "unknown method 'medusa'"),
     (["--methods", "mtp,mtp"], "duplicate configurations"),
     (["--inventory", "/nonexistent/inv.yml"], "--inventory /nonexistent/inv.yml: no such file"),
+    # every flag range-checked up front, --mtp-k as --k mtp=... is
+    (["--mtp-k", "0,2"], "--mtp-k 0,2: every K must be in 1..16"),
+    (["--mtp-k", "17"], "--mtp-k 17: every K must be in 1..16"),
+    (["--mtp-k", ","], "--mtp-k : every K must be in 1..16"),
+    (["--k", "mtp=0,2"], "--k mtp=0,2: every K must be in 1..16"),
+    (["--optimise-concurrency", "0"], "--optimise-concurrency 0: must be a concurrency level >= 1"),
+    (["--optimise-concurrency", "4", "--concurrency", "1,2"],
+     "--optimise-concurrency 4: not one of the measured levels (1,2)"),
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            args: list[str], needle: str) -> None:

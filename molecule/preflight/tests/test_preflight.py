@@ -64,6 +64,44 @@ def test_wrong_types_and_ranges_are_named(raw, needle):
     assert "TASK [preflight" not in res.output
 
 
+# Misspelt on purpose (tests/unit/test_spark_knobs.py leaves the names of MISSPELT out of its scan of
+# the scenarios' own variables): typo -> the knob meant.
+MISSPELT = {
+    "spec_methd": "spec_method",
+    "spec_num_speculativ_tokens": "spec_num_speculative_tokens",
+    "vllm_gpu_memory_utilisation": "vllm_gpu_memory_utilization",
+}
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [(f"{typo}=1", f"{typo} is not a variable of this toolkit (did you mean {meant}?)")
+     for typo, meant in MISSPELT.items()],
+)
+def test_misspelt_knob_is_refused_with_the_closest_name(raw, needle):
+    res = run_playbook_raw_e("site.yml", raw, tags="preflight")
+    assert res.rc != 0
+    assert needle in res.output
+    assert "spark_knobs_allowed" in res.output
+    assert "TASK [preflight" not in res.output
+
+
+def test_owners_own_variable_passes_when_listed():
+    res = run_playbook("site.yml", {"spark_knobs_allowed": ["spark_site_*"], "spark_site_label": "lab"},
+                       tags="preflight")
+    assert res.rc == 0, res.output[-2000:]
+
+
+def test_misspelt_tag_is_refused_naming_the_stage_tags(host):
+    before = host.file(FACT).mtime
+    res = run_playbook("site.yml", tags="serv")
+    assert res.rc != 0
+    assert "--tags serv: no play or task has this tag (did you mean serve?)" in res.output
+    assert "the stage tags are preflight, model, build, cluster, serve, ops, monitoring, bench" in res.output
+    assert "TASK [preflight" not in res.output
+    assert host.file(FACT).mtime == before
+
+
 def test_eagle3_without_drafter_is_rejected():
     res = run_playbook("site.yml", {"spec_method": "eagle3"}, tags="preflight")
     assert res.rc != 0
