@@ -38,7 +38,8 @@ TEMPLATE_VARS = {
         "spark_link_firewall_template": "sparkllm-link-firewall.nft.j2",
     },
     "vllm_build": {"vllm_build_dockerfile_template": "Dockerfile.j2"},
-    "spark_monitoring": {"spark_monitoring_prometheus_template": "prometheus.yml.j2"},
+    "spark_monitoring": {"spark_monitoring_prometheus_template": "prometheus.yml.j2",
+                         "spark_monitoring_alert_rules_template": "prometheus-alerts.yml.j2"},
 }
 
 
