@@ -29,11 +29,11 @@ RUNNERS = ("v1/worker/gpu_model_runner.py", "v1/worker/gpu/model_runner.py")
 LOAD_PHASES = {"weights", "compile"}  # "Model loading took ..." ends the load and opens the compile phase
 
 
-def _load_messages(root: Path, rel: str) -> list[str]:
+def _load_messages(root: Path, rel: str, function: str = "load_model") -> list[str]:
     tree = ast.parse((root / rel).read_text())
     out = []
     for fn in ast.walk(tree):
-        if not (isinstance(fn, ast.FunctionDef) and fn.name == "load_model"):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == function):
             continue
         for node in ast.walk(fn):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -62,3 +62,23 @@ def test_every_load_line_of_the_runner_maps_to_a_load_phase(release, runner):
 def test_the_v2_runner_s_first_load_line_opens_the_weights_phase():
     assert classify(_as_logged("Loading model from scratch...")) == "weights"
     assert [p for p, _, _ in PHASES].index("weights") > [p for p, _, _ in PHASES].index("engine")
+
+
+# The phase lines of the runners: what each step of a start logs when it begins or ends, and the phase
+# the tracker must be in after it (load_model opens "weights" and its "Model loading took" opens
+# "compile"; capture_model's "Graph capturing finished" closes the capture).
+PHASE_LINES = {"load_model": ("weights", "compile"), "capture_model": ("cuda_graphs",)}
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("runner", RUNNERS, ids=["v1", "v2"])
+@pytest.mark.parametrize("function", PHASE_LINES)
+def test_every_phase_line_of_the_runner_maps_to_its_phase(release, runner, function):
+    root = RELEASES[release]
+    if not (root / runner).is_file():
+        pytest.fail(f"{root / runner} missing; run tests/contract/setup_vllm_env.sh")
+    placed = {m: classify(_as_logged(m)) for m in _load_messages(root, runner, function)}
+    phases = {p for p in placed.values() if p is not None}
+    assert phases == set(PHASE_LINES[function]), (
+        f"{release} {runner} {function}: the tracker places its lines in {phases}, expected "
+        f"{PHASE_LINES[function]} (every line: {placed})")

@@ -30,6 +30,7 @@ TEMPLATE_VARS = {
     "serve": {
         "serve_unit_template": "sparkllm-vllm.service.j2",
         "serve_env_template": "sparkllm-vllm.env.j2",
+        "serve_proxy_site_template": "sparkllm-proxy.nginx.conf.j2",
     },
     "ray_cluster": {"ray_cluster_unit_template": "sparkllm-ray.service.j2"},
     "spark_link": {

@@ -11,6 +11,7 @@ import http.server
 import json
 import re
 import threading
+from pathlib import Path
 
 import pytest
 from playbook_runner import run_playbook
@@ -308,23 +309,96 @@ def test_open_bind_opt_out_is_warned_about_in_check_mode(host):
     assert _inspect(host, "ngram")["State"]["Running"]
 
 
+UPSTREAM = PORT + 10000  # vllm_proxy_upstream_port's default: vLLM's own port behind the proxy
+PROXY_SITE = "/etc/nginx/conf.d/sparkllm-vllm.conf"
+PROXY_KEY = "/etc/nginx/sparkllm-vllm-key.conf"
+# Every route vLLM 0.19.1 and 0.26.0 can register (tests/contract/test_proxy_routes_contract.py keeps
+# it current from their sources); the stand-in answers the non-/v1 ones of a real default server, keyless.
+ROUTES = json.loads((Path(__file__).resolve().parents[3] / "tests" / "contract" / "data" / "vllm_routes.json")
+                    .read_text())
+
+
+def _status(host, url: str, method: str = "GET", key: str = "", body: str = "") -> int:
+    auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+    data = f" -H 'Content-Type: application/json' --data '{body}'" if body else ""
+    out = host.run(f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 5 -X {method}{auth}{data} '{url}'")
+    return int(out.stdout.strip() or 0)
+
+
+def _lan_address(host) -> str:
+    addrs = [a for a in host.check_output("hostname -I").split() if "." in a and not a.startswith("127.")]
+    assert addrs, "the test host has no non-loopback IPv4 address"
+    return addrs[0]
+
+
 def test_non_loopback_bind_with_key_file(host):
     res = run_playbook("playbooks/serve.yml", {"spec_method": "ngram", "vllm_host": "0.0.0.0",
                                                "vllm_api_key_file": KEY_FILE})
     assert res.rc == 0, res.output[-3000:]
     assert API_KEY not in res.output and TOKEN not in res.output
     info = _inspect(host, "ngram")
-    assert _option(info["Args"], "--host") == "0.0.0.0"
+    # vLLM itself stays on loopback; nginx serves the LAN address (issue 29)
+    assert _option(info["Args"], "--host") == "127.0.0.1"
+    assert _option(info["Args"], "--port") == str(UPSTREAM)
     assert API_KEY not in json.dumps(info["Args"])
     assert f"VLLM_API_KEY={API_KEY}" in info["Config"]["Env"]
-    hits = host.run(f"grep -rl {API_KEY} /etc/systemd/system /etc/sparkllm /etc/ansible").stdout.split()
-    assert hits == [SECRETS]
+    where = "/etc/systemd/system /etc/sparkllm /etc/ansible /etc/nginx /var/log/nginx"
+    hits = host.run(f"grep -rl {API_KEY} {where}")
+    assert sorted(hits.stdout.split()) == sorted([SECRETS, PROXY_KEY])
+    key_file = host.file(PROXY_KEY)
+    assert (key_file.user, key_file.group, key_file.mode) == ("root", "root", 0o600)
+    assert host.file(PROXY_SITE).mode == 0o644
+    assert host.service("nginx.service").is_running and host.service("nginx.service").is_enabled
     assert _models(host, key=API_KEY) == ["qwen3.5-122b"]
-    # the stand-in enforces the key like vLLM: without it /v1 is refused
     assert host.run(f"curl -sf --max-time 5 http://127.0.0.1:{PORT}/v1/models").rc != 0
-    # the fact records where the server answers, for the bench stage
+    # the fact records where vLLM answers on the Spark (bench, watchdog, metrics) and the LAN face
     fact = _fact(host)
-    assert (fact["scheme"], fact["host"], fact["port"]) == ("http", "127.0.0.1", PORT)
+    assert (fact["scheme"], fact["host"], fact["port"]) == ("http", "127.0.0.1", UPSTREAM)
+    assert fact["proxy_url"] == f"http://0.0.0.0:{PORT}"
+
+
+def test_the_lan_address_answers_v1_with_the_key_only(host):
+    lan = f"http://{_lan_address(host)}:{PORT}"
+    assert _status(host, f"{lan}/v1/models") == 401
+    assert _status(host, f"{lan}/v1/models", key="sk-wrong") == 401
+    assert _status(host, f"{lan}/v1/models", key=API_KEY) == 200
+    # vLLM lets OPTIONS through without the key; the proxy does not
+    assert _status(host, f"{lan}/v1/models", method="OPTIONS") == 401
+
+
+@pytest.mark.parametrize("release", sorted(ROUTES))
+def test_every_non_v1_route_is_404_on_the_lan_address(host, release):
+    lan = f"http://{_lan_address(host)}:{PORT}"
+    others = [p.replace("{", "").replace("}", "") for p in ROUTES[release] if not p.startswith("/v1/")]
+    assert "/invocations" in others and "/metrics" in others
+    curl = (f"curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 5 -H 'Authorization: Bearer {API_KEY}'"
+            f" -X $m {lan}$p")
+    paths = " ".join(others)
+    script = f"for p in {paths}; do for m in GET POST; do printf '%s %s ' $m $p; {curl}; done; done"
+    answers = dict(line.rsplit(" ", 1) for line in host.check_output("sh -c %s", script).splitlines())
+    assert len(answers) == 2 * len(others)
+    assert {k: v for k, v in answers.items() if v != "404"} == {}
+
+
+def test_invocations_is_refused_on_the_lan_but_open_on_vllm_itself(host):
+    body = json.dumps({"model": "qwen3.5-122b", "prompt": "hi", "max_tokens": 1})
+    lan = f"http://{_lan_address(host)}:{PORT}"
+    assert _status(host, f"{lan}/invocations", method="POST", body=body) == 404
+    # behind the proxy the stand-in, like vLLM, generates for anyone: the proxy is what protects it
+    assert _status(host, f"http://127.0.0.1:{UPSTREAM}/invocations", method="POST", body=body) == 200
+    assert _status(host, f"http://127.0.0.1:{UPSTREAM}/tokenize", method="POST", body=body) == 200
+    assert _status(host, f"http://127.0.0.1:{UPSTREAM}/v1/models") == 401
+
+
+def test_back_on_loopback_the_proxy_is_taken_away(host):
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "ngram"})
+    assert res.rc == 0, res.output[-3000:]
+    assert not host.file(PROXY_SITE).exists and not host.file(PROXY_KEY).exists
+    info = _inspect(host, "ngram")
+    assert (_option(info["Args"], "--host"), _option(info["Args"], "--port")) == ("127.0.0.1", str(PORT))
+    assert _models(host) == ["qwen3.5-122b"]
+    assert _status(host, f"http://{_lan_address(host)}:{PORT}/v1/models") == 0  # nothing listens there
+    assert _fact(host)["proxy_url"] is None
 
 
 class _StubHub:
