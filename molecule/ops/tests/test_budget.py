@@ -117,7 +117,11 @@ def test_an_ops_stage_whose_guard_stops_the_server_fails_loudly(host):
         assert _kills(host, f"--since @{t0}") == 1
         assert not host.service(UNIT).is_running
     finally:
-        # the budget's own lines again (the server first: the check after the stage wants it serving)
+        # the budget's own lines again before the server starts (the high line would stop it again), then the
+        # whole stage with its check, the server serving
+        restore = run_playbook("playbooks/ops.yml",
+                               {"spark_stage_force": True, "spark_ops_check_server": False})
+        assert restore.rc == 0, restore.output[-3000:]
         host.check_output(f"systemctl start {UNIT}")
         _wait(lambda: _healthy(host), 60, "the server's /health again")
         pid = host.check_output("pgrep -x vllm")
