@@ -13,6 +13,7 @@ from pathlib import Path
 import jinja2
 import pytest
 import yaml
+from spark_memory import spark_memory_guard_kib
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "spark_ops"
@@ -21,6 +22,11 @@ UNIT = "sparkllm-vllm-mtp.service"
 
 def role_vars(**over) -> dict:
     v = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    # the budget's lines (group_vars/all/memory.yml) on a 128 GB Spark's MemTotal, as the default's filter
+    # makes them
+    budget = yaml.safe_load((ROOT / "group_vars" / "all" / "memory.yml").read_text())
+    v["spark_ops_guard_mem_kib"] = spark_memory_guard_kib(
+        budget["spark_memory_guard_term_bytes"], budget["spark_memory_guard_kill_bytes"], 125_519_668 * 1024)
     v.update(ansible_managed="Ansible managed", spark_ops_unit=UNIT,
              spark_ops_libexec_dir="/usr/local/libexec/sparkllm")
     v.update(over)
@@ -41,7 +47,8 @@ def earlyoom_argv() -> list[str]:
 def test_earlyoom_gets_the_thresholds_victims_and_hook() -> None:
     argv = earlyoom_argv()
     opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("-") and argv[i] != "-p"}
-    assert opt["-m"] == "6,3" and opt["-s"] == "100,100"
+    # absolute lines in KiB (3 GiB / 1.5 GiB), no percentage: -m would win where it is lower
+    assert opt["-M"] == "3145728,1572864" and "-m" not in opt and opt["-s"] == "100,100"
     assert opt["-N"] == "/usr/local/libexec/sparkllm/oom-hook"
     prefer, avoid = re.compile(opt["--prefer"]), re.compile(opt["--avoid"])
     # vLLM's process names: its console script, and the setproctitle titles (comm keeps 15 characters)
@@ -85,8 +92,8 @@ def hook(tmp_path: Path):
 
 def test_the_hook_stops_the_unit_when_the_server_was_killed(hook) -> None:
     calls = hook("VLLM::EngineCor")
-    assert any("earlyoom killed pid 4242 (VLLM::EngineCor): MemAvailable fell below 6 % of MemTotal" in c
-               for c in calls), calls
+    line = "earlyoom killed pid 4242 (VLLM::EngineCor): MemAvailable fell to the guard's line (3072 MiB)"
+    assert any(line in c for c in calls), calls
     assert any(f"stopping {UNIT} (memory guard)" in c and f"systemctl start {UNIT}" in c
                for c in calls), calls
     assert calls[-1] == f"systemctl stop --no-block {UNIT}"

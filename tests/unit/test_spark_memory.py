@@ -1,0 +1,102 @@
+"""The memory budget (filter_plugins/spark_memory.py): what vLLM reserves, what is left, the guard's lines."""
+
+from __future__ import annotations
+
+import pytest
+from spark_memory import MemoryBudgetError, parse_meminfo, spark_memory_budget, spark_memory_guard_kib
+
+GIB = 1 << 30
+SPARK_TOTAL_KIB = 125_519_668  # a 128 GB Spark: MemTotal ~119.7 GiB
+KNOBS = {"guard_term_bytes": 3 * GIB, "guard_kill_bytes": 3 * GIB // 2, "margin_bytes": 3 * GIB}
+
+
+def meminfo(total_kib: int, avail_kib: int) -> str:
+    return (f"MemTotal:       {total_kib} kB\nMemFree:        {avail_kib // 2} kB\n"
+            f"MemAvailable:   {avail_kib} kB\n")
+
+
+def spark(in_use_gib: float, util: float, **kw):
+    avail = SPARK_TOTAL_KIB - int(in_use_gib * (1 << 20))
+    return spark_memory_budget(meminfo(SPARK_TOTAL_KIB, avail), util, **{**KNOBS, **kw})
+
+
+def test_parse_meminfo_gives_bytes():
+    assert parse_meminfo(meminfo(2048, 1024)) == {"MemTotal": 2048 * 1024, "MemFree": 512 * 1024,
+                                                  "MemAvailable": 1024 * 1024}
+    with pytest.raises(MemoryBudgetError, match="no MemAvailable"):
+        parse_meminfo("MemTotal: 1 kB\n")
+
+
+def test_headless_spark_at_the_default_utilization_fits():
+    b = spark(5, 0.85)
+    assert b["ok"], b["message"]
+    # vLLM's request_memory: ceil(total x utilization)
+    assert b["reserved_bytes"] == -(-SPARK_TOTAL_KIB * 1024 * 85 // 100)
+    assert b["left_bytes"] == SPARK_TOTAL_KIB * 1024 - 5 * GIB - b["reserved_bytes"]
+    assert 12 * GIB < b["left_bytes"] < 13 * GIB
+    assert b["required_bytes"] == 6 * GIB and b["guard_term_kib"] == 3 * (1 << 20)
+    assert "refused" not in b["message"]
+
+
+def test_the_desktop_at_the_default_utilization_is_refused_with_both_fixes():
+    # graphical.target active: the desktop's 16 GiB count even if it holds less right after login
+    b = spark(4, 0.85, desktop_bytes=16 * GIB, desktop_active=True)
+    assert not b["ok"]
+    assert b["in_use_bytes"] == 16 * GIB and b["measured_in_use_bytes"] == 4 * GIB
+    # (119.7 - 16 - 6) / 119.7 = 0.816 -> 0.81
+    assert b["max_utilization"] == 0.81
+    assert "lower vllm_gpu_memory_utilization to 0.81 or less" in b["message"]
+    assert "boot to multi-user.target" in b["message"]
+    assert "the desktop's 16.0 GiB: graphical.target is active" in b["message"]
+    # the printed value fits
+    assert spark(4, b["max_utilization"], desktop_bytes=16 * GIB, desktop_active=True)["ok"]
+    assert not spark(4, b["max_utilization"] + 0.01, desktop_bytes=16 * GIB, desktop_active=True)["ok"]
+
+
+def test_a_measured_figure_above_the_desktop_share_wins():
+    b = spark(20, 0.5, desktop_bytes=16 * GIB, desktop_active=True)
+    assert b["in_use_bytes"] == 20 * GIB
+
+
+def test_the_desktop_share_is_not_counted_headless():
+    assert spark(4, 0.85, desktop_bytes=16 * GIB, desktop_active=False)["ok"]
+
+
+def test_in_use_override_when_a_server_already_runs():
+    # the box now holds a running server (100 GiB in use): the recorded figure is used instead
+    b = spark(100, 0.85, in_use_bytes=5 * GIB)
+    assert b["ok"] and b["in_use_bytes"] == 5 * GIB
+
+
+def test_nothing_fits_names_the_other_way_out():
+    b = spark(115, 0.1)
+    assert not b["ok"] and b["max_utilization"] == 0.0
+    assert "lower vllm_gpu_memory_utilization" not in b["message"]
+    assert "stop what else holds memory" in b["message"]
+
+
+def test_the_guard_lines_are_kib_and_checked():
+    assert spark_memory_guard_kib(3 * GIB, 3 * GIB // 2, 119 * GIB) == [3 << 20, 3 << 19]
+    with pytest.raises(MemoryBudgetError, match="SIGKILL line below the SIGTERM line"):
+        spark_memory_guard_kib(GIB, 2 * GIB, 119 * GIB)
+    with pytest.raises(MemoryBudgetError, match="not below MemTotal"):
+        spark_memory_guard_kib(3 * GIB, GIB, 2 * GIB)
+    with pytest.raises(MemoryBudgetError, match="not a number of bytes"):
+        spark_memory_guard_kib("3G", GIB, 2 * GIB)
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, "x", None])
+def test_bad_utilization_is_named(bad):
+    with pytest.raises(MemoryBudgetError, match="vllm_gpu_memory_utilization="):
+        spark(5, bad)
+
+
+def test_the_molecule_ops_figures():
+    # molecule/ops: a 2 GiB test host, a 384 MiB desktop, guard 128/64 MiB, margin 192 MiB
+    mib = 1 << 20
+    knobs = {"guard_term_bytes": 128 * mib, "guard_kill_bytes": 64 * mib, "margin_bytes": 192 * mib,
+             "desktop_bytes": 384 * mib, "desktop_active": True}
+    info = meminfo(2048 * 1024, (2048 - 480) * 1024)
+    assert spark_memory_budget(info, 0.4, **knobs)["ok"]
+    refused = spark_memory_budget(info, 0.7, **knobs)
+    assert not refused["ok"] and refused["max_utilization"] == 0.6
