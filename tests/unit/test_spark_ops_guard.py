@@ -79,7 +79,7 @@ def hook(tmp_path: Path):
 
     def run(name: str, **over) -> list[str]:
         script = tmp_path / "oom-hook"
-        script.write_text(render("oom-hook.j2", **over))
+        script.write_text(render("oom-hook.j2", **{"spark_ops_state_dir": str(tmp_path / "state"), **over}))
         script.chmod(0o755)
         env = dict(os.environ, PATH=f"{bin_dir}:/usr/bin:/bin", EARLYOOM_PID="4242", EARLYOOM_UID="0",
                    EARLYOOM_NAME=name)
@@ -109,3 +109,17 @@ def test_the_hook_only_logs_when_told_not_to_stop(hook) -> None:
     calls = hook("vllm", spark_ops_guard_stop_unit=False)
     assert not any(c.startswith("systemctl") for c in calls)
     assert any("left to its Restart= policy" in c for c in calls), calls
+
+
+def test_each_kill_is_a_line_the_exporter_counts(hook, tmp_path: Path) -> None:
+    """The hook appends "<unix time> <pid> <name>" to guard-kills.log, readable by the exporter (DynamicUser),
+    whose sparkllm_guard_kills_total feeds the MemoryGuardKill alert."""
+    import gb10_exporter
+
+    hook("VLLM::EngineCor")
+    hook("python3")
+    log = tmp_path / "state" / "guard-kills.log"
+    lines = log.read_text().splitlines()
+    assert [ln.split(" ", 2)[1:] for ln in lines] == [["4242", "VLLM::EngineCor"], ["4242", "python3"]]
+    assert log.stat().st_mode & 0o777 == 0o644
+    assert "sparkllm_guard_kills_total 2" in "\n".join(gb10_exporter.ops_metrics(tmp_path / "state"))
