@@ -115,7 +115,8 @@ def test_sync_key_options_refuse_anything_that_could_widen_the_entry(ip, command
 def test_filters_registered():
     assert set(FilterModule().filters()) == {"spark_ray_port_args", "spark_ray_firewall_ports",
                                              "spark_link_networks", "spark_sync_key_options",
-                                             "spark_nccl_transport", "spark_link_roce_hcas"}
+                                             "spark_nccl_transport", "spark_link_roce_hcas",
+                                             "spark_ray_env_exclude"}
 
 
 def _firewall(nets: list[str]) -> str:
