@@ -14,6 +14,14 @@ knobs as in e2e.HOST_SETTINGS:
   mtp           mtp, --enforce-eager
   dflash        dflash (FLASH_ATTN, the catalogue's), --enforce-eager
   dflash-graph  dflash as rendered: CUDA graphs (no --enforce-eager)
+  dflash-graph-s1  the same with --graph-extra appended (default --max-num-seqs 1: fewer capture sizes)
+  dflash-graph-fa  the same with the drafter's attention backend FLASH_ATTN (the 12-02 runs')
+
+The default --cases is the first four. ``--cases base,dflash-graph --no-bench`` runs the CUDA-graph
+start alone (with the baseline as its reference); ``--dump-stuck`` makes every server's EngineCore
+print its Python stacks (faulthandler, SIGABRT) when its start outlasts the start deadline, and the
+summary keeps a timeline (each starting case's last log line, ptxas processes, Triton cache entries,
+load average every 15 s) and each stuck case's log tail.
 
 Checks: each serves; greedy tokens equal base's; drafts are counted in /metrics; DFlash's
 per-position acceptance (the drafter is built so position 0 is right). Then ``scripts/bench.py run
@@ -32,6 +40,9 @@ import argparse
 import json
 import os
 import re
+import shlex
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,7 +59,11 @@ CASES = {
     "mtp": {"method": "mtp", "eager": True, "ref": "base"},
     "dflash": {"method": "dflash", "eager": True, "ref": "base"},
     "dflash-graph": {"method": "dflash", "eager": False, "ref": "base"},
+    "dflash-graph-s1": {"method": "dflash", "eager": False, "ref": "base", "argv_extra": True},
+    "dflash-graph-fa": {"method": "dflash", "eager": False, "ref": "base", "drafter_backend": "FLASH_ATTN"},
 }
+DEFAULT_CASES = ("base", "mtp", "dflash", "dflash-graph")
+ENGINE_PID_RE = re.compile(r"\(EngineCore[^ )]* pid=(\d+)\)")
 BENCH = [("base", "baseline"), ("base", "baseline"), ("mtp", "mtp"), ("dflash", "dflash")]
 BACKEND_RE = r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention )?backend\b"
 BENCH_SECONDS = 200  # what the bench runs and the report need after the starts
@@ -64,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=560,
                     help="seconds for the whole run (default 560: one GPU-host call may run 600)")
     ap.add_argument("--max-tokens", type=int, default=64, help="bench.py --max-tokens (default 64)")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                    help=f"comma-separated, base included, from {', '.join(CASES)} (default the first four)")
+    ap.add_argument("--no-bench", action="store_true",
+                    help="starts and checks only: no bench.py runs, no report (the starts get the budget)")
+    ap.add_argument("--graph-extra", default="--max-num-seqs 1",
+                    help="vllm serve arguments appended for case dflash-graph-s1 (default --max-num-seqs 1)")
+    ap.add_argument("--dump-stuck", action="store_true",
+                    help="at the start deadline, SIGABRT each still-starting EngineCore (its stacks)")
     ap.add_argument("--moe-backend", default="auto",
                     help="the host's --moe-backend, or auto: no flag (default auto)")
     a = ap.parse_args(argv)
@@ -108,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         s.method = case["method"]
         settings = fs.case_settings(case, hybrid, 8301 + i, None)
         settings["spec_dflash_drafter"] = drafter
+        if case.get("drafter_backend"):
+            settings["spec_dflash_attention_backend"] = case["drafter_backend"]
         # vLLM 0.26.0 refuses e2e's --moe-backend triton for WNA16 MoE (seen on the host: "Expected one
         # of ['marlin', 'humming', 'flashinfer_trtllm', 'emulation']"); Marlin is in the wheel
         # and marlin for the MTP layer's unquantized MoE ("Expected one of ['triton', ...]"): "auto"
@@ -119,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             extra[i + 1] = a.moe_backend
         s.argv = spark_serve_argv(settings, catalogue)
+        if case.get("argv_extra"):
+            s.argv += shlex.split(a.graph_extra)  # argparse: the last --max-num-seqs wins
+        if a.dump_stuck:
+            s.env["PYTHONFAULTHANDLER"] = "1"
         s.env.update({k: str(v) for k, v in (catalogue[case["method"]].get("server_env") or {}).items()})
         s.env["VLLM_CACHE_ROOT"] = str(a.work / f"vllm-cache-{name}")
         servers[name] = s
@@ -129,14 +157,36 @@ def main(argv: list[str] | None = None) -> int:
     fs.log("started " + ", ".join(f"{k}:{s.port}" for k, s in servers.items()))
     seen: dict[str, dict[str, float]] = {k: {} for k in servers}
     states = {k: "starting" for k in servers}
-    deadline = t0 + a.budget - BENCH_SECONDS
+    deadline = t0 + a.budget - (30 if a.no_bench else BENCH_SECONDS)
+    summary["start_deadline_s"] = round(deadline - t0, 1)
+    timeline: list[dict] = []
+    summary["timeline"] = timeline
+    next_sample = time.monotonic()
     try:
         while time.monotonic() < deadline and "starting" in states.values():
             for k, s in servers.items():
                 if states[k] == "starting":
                     fs.phase_times(s.log_text(), seen[k], time.monotonic() - s.t0)
                     states[k] = s.poll()
+            if time.monotonic() >= next_sample:
+                next_sample += 15
+                timeline.append(host_sample(t0) | {k: last_line(servers[k].log_text())
+                                                   for k in servers if states[k] == "starting"})
             time.sleep(0.5)
+        for k, s in servers.items():
+            if states[k] != "starting":
+                continue
+            text = s.log_text()
+            summary["cases"][k]["tail_at_deadline"] = [ln[:300] for ln in text.splitlines()[-60:]]
+            pids = ENGINE_PID_RE.findall(text)
+            if a.dump_stuck and pids:
+                try:
+                    os.kill(int(pids[-1]), signal.SIGABRT)
+                    time.sleep(4)
+                    after = s.log_text()[len(text):]
+                    summary["cases"][k]["stacks_at_deadline"] = [ln[:300] for ln in after.splitlines()[:200]]
+                except ProcessLookupError:
+                    summary["cases"][k]["stacks_at_deadline"] = "EngineCore gone"
         for k, s in servers.items():
             text = s.log_text()
             fs.phase_times(text, seen[k], time.monotonic() - s.t0)
@@ -184,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                           {"position_0": round(p0, 3), "per_pos": sp.get("per_pos"), "drafts": sp["drafts"]})
         save()
         runs = a.out / "runs"
-        for k, label in BENCH:
+        for k, label in ([] if a.no_bench else BENCH):
             if k not in results:
                 continue
             s = servers[k]
@@ -245,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                                 if "runner_vs_counters" in f else {})
                              for f in figs])
             save()
-        if runs.exists():
+        if runs.exists() and not a.no_bench:
             rep = e2e.run([sys.executable, str(e2e.ROOT / "scripts/bench.py"), "report", str(runs), "--out",
                            str(a.out / "report"), "--no-charts"])
             check("report written", rep.returncode == 0 and (a.out / "report" / "report.md").exists(),
@@ -257,6 +307,26 @@ def main(argv: list[str] | None = None) -> int:
     print("DFLASH_BENCH SUMMARY " + json.dumps({"host": summary["host"], "failed": failures,
                                                 "seconds": summary["seconds"]}), flush=True)
     return 1 if failures else 0
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of a log (a tqdm bar's carriage returns split too)."""
+    lines = [ln for ln in re.split(r"[\r\n]+", text[-4000:]) if ln.strip()]
+    return lines[-1][-200:] if lines else ""
+
+
+def host_sample(t0: float) -> dict:
+    """What the host is doing: ptxas/compiler processes, Triton cache entries, load average."""
+    try:
+        ps = subprocess.run(["ps", "-eo", "comm="], capture_output=True, text=True, timeout=5)
+        comms = ps.stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        comms = []
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return {"t": round(time.monotonic() - t0, 1), "ptxas": comms.count("ptxas"),
+            "cc": sum(c in ("cc", "gcc", "cc1", "nvcc", "cicc") for c in comms),
+            "triton_cache": len(list(cache.iterdir())) if cache.is_dir() else 0,
+            "load": os.getloadavg()[0]}
 
 
 if __name__ == "__main__":
