@@ -60,15 +60,18 @@ def parse_meminfo(text: str) -> dict[str, int]:
 
 
 def spark_memory_guard_kib(guard_term_bytes, guard_kill_bytes, total_bytes) -> list[int]:
-    """earlyoom's ``-M`` values (KiB): [SIGTERM line, SIGKILL line], checked against MemTotal."""
+    """earlyoom's ``-M`` values (KiB): [SIGTERM line, SIGKILL line], checked against MemTotal.
+
+    ``total_bytes`` 0 or None (facts not gathered, e.g. a validation-only run's argument check): the lines are
+    given without the MemTotal check; the ops play gathers facts, so a real run always checks."""
     term = _int("spark_memory_guard_term_bytes", guard_term_bytes)
     kill = _int("spark_memory_guard_kill_bytes", guard_kill_bytes)
-    total = _int("MemTotal", total_bytes)
+    total = _int("MemTotal", total_bytes) if total_bytes else None
     if not 0 < kill <= term:
         raise MemoryBudgetError(
             f"spark_memory_guard_kill_bytes={kill} must be above 0 and at most spark_memory_guard_term_bytes="
             f"{term}; set the SIGKILL line below the SIGTERM line (e.g. half of it)")
-    if term >= total:
+    if total is not None and term >= total:
         raise MemoryBudgetError(
             f"spark_memory_guard_term_bytes={term} ({_gib(term)}) is not below MemTotal ({_gib(total)}); "
             "set it to a small part of the box's memory")

@@ -100,3 +100,13 @@ def test_the_molecule_ops_figures():
     assert spark_memory_budget(info, 0.4, **knobs)["ok"]
     refused = spark_memory_budget(info, 0.7, **knobs)
     assert not refused["ok"] and refused["max_utilization"] == 0.6
+
+
+def test_guard_lines_without_facts_skip_only_the_memtotal_check():
+    """A validation-only run (no facts) renders the ops defaults: lines out, their order still checked."""
+    assert spark_memory_guard_kib(3 << 30, 3 << 29, 0) == [3 << 20, 3 << 19]
+    assert spark_memory_guard_kib(3 << 30, 3 << 29, None) == [3 << 20, 3 << 19]
+    with pytest.raises(MemoryBudgetError):
+        spark_memory_guard_kib(1 << 30, 2 << 30, None)
+    with pytest.raises(MemoryBudgetError):
+        spark_memory_guard_kib(8 << 30, 1 << 30, 4 << 30)
