@@ -117,6 +117,9 @@ def test_a_hung_engine_whose_health_says_200_is_restarted(host):
     _load(host, 2, 6000)
     try:
         _wait(lambda: _gauges(host) == (2, 0), 20, "2 requests running")
+        # the scenario has started this unit many times by now: clear systemd's start limit (5 in 600 s, the
+        # unit's StartLimitBurst) so the restart under test is not refused by it
+        host.run(f"systemctl reset-failed {UNIT}")
         host.check_output(f"touch {ENGINE_WEDGE}")
         t_hang = time.monotonic()
         try:
@@ -131,7 +134,7 @@ def test_a_hung_engine_whose_health_says_200_is_restarted(host):
         log = _journal(host, t0)
         assert re.search(rf"{UNIT}: probe failed \(1/2\): stalled: 2 running, 0 waiting, no token generated "
                          r"for \d+ s", log), log
-        _wait(lambda: _healthy(host) and _invocation(host) != before, 60, "the restarted server")
+        _wait(lambda: _healthy(host) and _invocation(host) != before, 120, "the restarted server")
         assert _one_token(host, 10) == 0
         print(f"\nWATCHDOG FIGURE: engine hung with /health 200 -> restarted {took:.0f} s later")
     finally:
@@ -139,7 +142,7 @@ def test_a_hung_engine_whose_health_says_200_is_restarted(host):
 
 
 def test_a_rotated_key_is_one_clear_message_and_no_restart(host):
-    _wait(lambda: _state(host).get("last", {}).get("kind") == "ok", 30, "an ok verdict")
+    _wait(lambda: _state(host).get("last", {}).get("kind") == "ok", 90, "an ok verdict")
     before, t0 = _invocation(host), _now(host)
     host.check_output(f"cp {KEY} {KEY}.good && printf 'rotated-elsewhere\\n' > {KEY}")
     try:
