@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SPEC_METHOD ?= mtp
 INVENTORY ?= inventory/hosts.yml
-# molecule scenarios run by `make test` (longest first: they run three at a time)
+# molecule scenarios run by `make test` (longest first: they run two at a time)
 SCENARIOS ?= site vllm_build serve cluster model ops bench metrics preflight
 # scratch directory of `make bench-merge`, on the disk to measure (its 16 GB round holds ~42 GB there)
 BENCH_DIR ?= /var/tmp
@@ -61,7 +61,7 @@ contract: setup contract-env
 testhost-image:
 	bash tests/harness/build_testhost_image.sh
 
-# scenarios run MOLECULE_JOBS at a time (default 3); logs in .cache/molecule/
+# scenarios run MOLECULE_JOBS at a time (default 2); logs in .cache/molecule/
 molecule: setup testhost-image
 	bash tests/harness/run_molecule.sh $$SCENARIOS
 

@@ -3,7 +3,7 @@
 # share the machine's Docker engine). Each scenario logs to .cache/molecule/<name>.log; a failure
 # prints that log's tail. Exit status: non-zero if any scenario failed.
 set -uo pipefail
-jobs="${MOLECULE_JOBS:-3}"
+jobs="${MOLECULE_JOBS:-2}"
 logdir="${MOLECULE_LOGDIR:-.cache/molecule}"
 mkdir -p "$logdir"
 : >"$logdir/summary"
