@@ -19,7 +19,8 @@ export $(USER_VARS) BIN
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image \
-        bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash gpu-shared-experts clean
+        bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash gpu-dflash-graph \
+        gpu-shared-experts gpu-proxy clean
 
 # --- set-up ----------------------------------------------------------------
 $(BIN)/.stamp: requirements.txt
@@ -89,9 +90,17 @@ gpu-e2e:
 gpu-first-start:
 	"$$PYTHON" scripts/make_run.py gpu-first-start
 
-# DFlash (tiny drafter) and bench.py --concurrency 1,2,4 on vLLM 0.26.0 (tests/gpu/dflash_bench.py)
+# DFlash (tiny drafter) and bench.py --concurrency 1,2,4 on vLLM 0.26.0 (tests/gpu/dflash_bench.py), eager
 gpu-dflash:
 	"$$PYTHON" scripts/make_run.py gpu-dflash
+
+# the CUDA-graph DFlash start against the baseline, no bench (one call of its own on a cold host)
+gpu-dflash-graph:
+	"$$PYTHON" scripts/make_run.py gpu-dflash-graph
+
+# the serve role's nginx LAN proxy in front of a real vLLM (tests/gpu/proxy_real.py; ARGS="--nginx PATH")
+gpu-proxy:
+	"$$PYTHON" scripts/make_run.py gpu-proxy
 
 # Negative control (a hybrid with 1/16 shared-expert scales must fail the hybrid check) and vLLM's memory
 # reservation against total x utilization (tests/gpu/shared_experts.py); 0.20.0 or 0.26.0

@@ -2,7 +2,7 @@
 """The Makefile's runner: build a target's argv from make's variables, without a shell.
 
 usage: make_run.py TARGET     (TARGET: deploy, check, gpu-e2e, gpu-first-start, gpu-dflash,
-                               gpu-shared-experts)
+                               gpu-dflash-graph, gpu-shared-experts, gpu-proxy)
 
 The Makefile exports its user variables (SPEC_METHOD, INVENTORY, ARGS) and calls this script; the
 values reach the program as argv items and never pass through a shell, so `;`, `$(...)`, quotes or
@@ -28,11 +28,16 @@ import sys
 
 METHOD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# target: (script, output directory, the target's own arguments before ARGS)
 GPU_TARGETS = {
-    "gpu-e2e": ("tests/gpu/e2e.py", "results/gpu-e2e"),
-    "gpu-first-start": ("tests/gpu/first_start.py", "results/gpu-first-start"),
-    "gpu-dflash": ("tests/gpu/dflash_bench.py", "results/gpu-dflash"),
-    "gpu-shared-experts": ("tests/gpu/shared_experts.py", "results/gpu-shared-experts"),
+    "gpu-e2e": ("tests/gpu/e2e.py", "results/gpu-e2e", ()),
+    "gpu-first-start": ("tests/gpu/first_start.py", "results/gpu-first-start", ()),
+    "gpu-dflash": ("tests/gpu/dflash_bench.py", "results/gpu-dflash", ()),
+    # the CUDA-graph DFlash start needs a call of its own on a cold host (~400 s of Triton compile)
+    "gpu-dflash-graph": ("tests/gpu/dflash_bench.py", "results/gpu-dflash-graph",
+                         ("--cases", "base,dflash-graph", "--no-bench")),
+    "gpu-shared-experts": ("tests/gpu/shared_experts.py", "results/gpu-shared-experts", ()),
+    "gpu-proxy": ("tests/gpu/proxy_real.py", "results/gpu-proxy", ()),
 }
 TARGETS = ("deploy", "check", *GPU_TARGETS)
 
@@ -86,8 +91,8 @@ def build_argv(target: str, env: dict[str, str]) -> list[str]:
     if target in ("deploy", "check"):
         return playbook_argv(target, env)
     if target in GPU_TARGETS:
-        script, out = GPU_TARGETS[target]
-        return [sys.executable, script, "--out", out, *user_args(env)]
+        script, out, own = GPU_TARGETS[target]
+        return [sys.executable, script, "--out", out, *own, *user_args(env)]
     raise Refused(f"target {target!r}: unknown; give one of {', '.join(TARGETS)}")
 
 

@@ -130,5 +130,9 @@ def test_gpu_target_argv(monkeypatch: pytest.MonkeyPatch) -> None:
         "--cases",
         "a b",
     ]
+    # a target's own arguments come first, so ARGS can still override them (argparse: the last wins)
+    argv = make_run.build_argv("gpu-dflash-graph", {"ARGS": "--budget 590"})
+    assert argv[2:] == ["--out", "results/gpu-dflash-graph", "--cases", "base,dflash-graph", "--no-bench",
+                        "--budget", "590"]
     with pytest.raises(make_run.Refused, match="unknown"):
         make_run.build_argv("nope", {})
