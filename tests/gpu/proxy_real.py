@@ -152,7 +152,9 @@ def stream(url: str, key: str, body: dict, timeout: float = 60) -> dict:
             events.append(payload)
             if payload != "[DONE]":
                 for ch in json.loads(payload).get("choices") or []:
-                    text += (ch.get("delta") or {}).get("content") or ""
+                    delta = ch.get("delta") or {}
+                    text += (delta.get("content") or "") + (delta.get("reasoning_content")
+                                                            or delta.get("reasoning") or "")
     return {"status": status, "events": len(events), "done": bool(events) and events[-1] == "[DONE]",
             "first_event_s": round(t_first or 0, 3), "all_s": round(time.monotonic() - t0, 3), "text": text}
 
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             failures.append(name)
 
-    nginx_dir = a.out / "nginx"
+    nginx_dir = a.out.resolve() / "nginx"  # nginx reads relative paths from its own prefix
     nginx_dir.mkdir(exist_ok=True)
     try:
         ver = subprocess.run([a.nginx, "-v"], capture_output=True, text=True)
@@ -307,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def content(text: str) -> str | None:
             try:
-                return json.loads(text)["choices"][0]["message"]["content"]
+                msg = json.loads(text)["choices"][0]["message"]
+                # the qwen3 reasoning parser moves an unterminated think block out of content
+                thought = msg.get("reasoning_content") or msg.get("reasoning") or ""
+                return (msg.get("content") or "") + "|" + thought
             except (ValueError, KeyError, IndexError, TypeError):
                 return None
         check("greedy chat completion through the proxy = asked of vLLM directly",
