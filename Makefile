@@ -81,7 +81,7 @@ clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache
 
 # --- real GPU (not part of `make test`: CI has no GPU) -------------------------------------------
-# On a host with a CUDA GPU where `import vllm` works; see tests/gpu/e2e.py and the README.
+# On a host with a CUDA GPU where `import vllm` works; see tests/gpu/e2e.py and docs/gpu-e2e/README.md.
 gpu-e2e:
 	"$$PYTHON" scripts/make_run.py gpu-e2e
 

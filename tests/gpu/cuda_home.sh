@@ -3,7 +3,7 @@
 # runtime as Python wheels (torch's nvidia/cu13) but no nvcc, from the compiler's PyPI wheels:
 #   nvidia-cuda-nvcc 13.0.88, nvidia-nvvm 13.0.88 (cicc, libdevice), nvidia-cuda-crt 13.0.88,
 #   nvidia-cuda-cccl 13.0.85 (pip download --no-deps --platform manylinux2014_x86_64 ... on a machine
-#   with network; see the README's GPU section).
+#   with network; see docs/gpu-e2e/README.md).
 #     bash tests/gpu/cuda_home.sh WHEEL_DIR DEST      -> prints the CUDA_HOME (DEST/site/nvidia/cu13)
 # The host's own cu13 headers and libraries (cuda_runtime.h, libcudart) are linked in, lib64 and
 # lib64/stubs/libcuda.so are made as FlashInfer's link line expects; a one-kernel sm_90a compile
