@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .checkpoint import SOURCE_RECORD
+from .cli import UsageError
 from .outdir import MARKER, OutputRefused, check_output_dir, marker_tool, write_marker
 from .safetensors_io import INDEX_NAME
 
@@ -39,10 +40,6 @@ T = TypeVar("T")
 
 class FetchError(Exception):
     """A download or verification failed; the message names the file and the problem."""
-
-
-class UsageError(Exception):
-    """The command line is wrong (exit 2); the message names the problem and the fix."""
 
 
 class TransientError(FetchError):
