@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import ssl
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -264,6 +265,19 @@ def read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def still_verified(path: Path, rec: object, size: int | None = None) -> bool:
+    """True when ``rec``, what was recorded the moment ``path`` was verified, still describes it: a
+    regular file of the recorded size and mtime (and of ``size``, the size expected, when given)."""
+    if not isinstance(rec, dict):
+        return False
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    same = rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns
+    return stat.S_ISREG(st.st_mode) and same and size in (None, st.st_size)
 
 
 def check_disk_space(dest_dir: Path, needed: int) -> None:
