@@ -175,7 +175,9 @@ def check_args(a: argparse.Namespace) -> None:
     if getattr(a, "retry_backoff_s", 0) < 0:
         raise UsageError(f"--retry-backoff-s {a.retry_backoff_s:g}: must be 0 or more seconds")
     if getattr(a, "max_rate", 0) < 0:
-        raise UsageError(f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive rate")
+        raise UsageError(
+            f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive bytes-per-second rate"
+        )
     if hasattr(a, "repo") and not REPO_RE.fullmatch(a.repo):
         raise UsageError(
             f"--repo {a.repo!r}: not a Hub repo id; give owner/name, e.g. Qwen/Qwen3.5-122B-A10B-FP8"
