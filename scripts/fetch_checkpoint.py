@@ -55,16 +55,24 @@ import argparse
 import json
 import re
 import shlex
-import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from sparkllm.checkpoint import CheckpointError
-from sparkllm.cli import HelpFormatter
+from sparkllm.cli import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    Interrupted,
+    doc_parser,
+    say_error,
+    signal_exit,
+    sigterm_unwinds,
+    subcommands,
+)
 from sparkllm.fetch_common import (
     CREATED,
+    TOOL,
     FetchError,
     NetworkError,
     Retry,
@@ -87,25 +95,11 @@ __all__ = [
     "mirror_fetch", "read_token", "select_tensors", "verified_files", "verify_file", "write_manifest",
 ]  # fmt: skip
 REPO_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-
-class Interrupted(BaseException):
-    """SIGTERM arrived; like KeyboardInterrupt (SIGINT) it unwinds, so temporary files go."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fetch_checkpoint.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=HelpFormatter,
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = doc_parser("fetch_checkpoint.py", __doc__)
+    add = subcommands(p)
 
     def retry_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
@@ -137,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("hub", "download repo files via huggingface_hub"),
         ("full", "whole FP8 checkpoint"),
     ):
-        sp = sub.add_parser(name, help=helptext, formatter_class=HelpFormatter)
+        sp = add(name, helptext)
         remote_args(sp)
         sp.add_argument("--dest", required=True, type=Path, help="destination directory")
         sp.add_argument(
@@ -147,19 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="GLOB",
             help="only files matching these globs (default: every file; `full`: *.safetensors *.json)",
         )
-    sp = sub.add_parser(
-        "fp8-extract",
-        help="range-fetch the FP8 shared-expert tensors into one small file",
-        formatter_class=HelpFormatter,
-    )
+    sp = add("fp8-extract", "range-fetch the FP8 shared-expert tensors into one small file")
     remote_args(sp)
     sp.add_argument("--dest", required=True, type=Path, help="destination safetensors FILE")
     sp.add_argument("--pattern", default="shared_expert", help="regex on tensor names")
-    sp = sub.add_parser(
-        "mirror",
-        help="copy from a mirror directory verified against its manifest",
-        formatter_class=HelpFormatter,
-    )
+    sp = add("mirror", "copy from a mirror directory verified against its manifest")
     sp.add_argument("--src", required=True, type=Path, help="mirror directory holding sparkllm-manifest.json")
     sp.add_argument("--dest", required=True, type=Path, help="destination directory")
     sp.add_argument(
@@ -170,9 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="read at most this many bytes per second from the mirror (default 0: unlimited)",
     )
     retry_args(sp)
-    sp = sub.add_parser(
-        "manifest", help="write sparkllm-manifest.json for a directory", formatter_class=HelpFormatter
-    )
+    sp = add("manifest", "write sparkllm-manifest.json for a directory")
     sp.add_argument("dir", type=Path, help="checkpoint directory to describe")
     sp.add_argument(
         "--no-sha256", action="store_true", help="sizes only (fast, weaker; default: with sha256)"
@@ -191,7 +175,9 @@ def check_args(a: argparse.Namespace) -> None:
     if getattr(a, "retry_backoff_s", 0) < 0:
         raise UsageError(f"--retry-backoff-s {a.retry_backoff_s:g}: must be 0 or more seconds")
     if getattr(a, "max_rate", 0) < 0:
-        raise UsageError(f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive rate")
+        raise UsageError(
+            f"--max-rate {a.max_rate:g}: must be 0 (unlimited) or a positive bytes-per-second rate"
+        )
     if hasattr(a, "repo") and not REPO_RE.fullmatch(a.repo):
         raise UsageError(
             f"--repo {a.repo!r}: not a Hub repo id; give owner/name, e.g. Qwen/Qwen3.5-122B-A10B-FP8"
@@ -246,43 +232,34 @@ def kept_note(a: argparse.Namespace) -> str:
     return f"; {n} verified file(s) kept in {d}" if n else ""
 
 
-def fail(msg: str, rc: int) -> int:
-    CREATED.cleanup()
-    print(msg, file=sys.stderr, flush=True)
-    return rc
+def failure(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.filename}: {exc.strerror or exc}" if exc.filename else str(exc.strerror or exc)
+    return str(exc)
 
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(args_list)
     rerun = shlex.join([Path(__file__).name, *args_list])
-
-    def on_sigterm(signum: int, _frame: Any) -> None:
-        raise Interrupted(signum)
-
-    old = signal.signal(signal.SIGTERM, on_sigterm)
     CREATED.dirs.clear()
     try:
-        result = run(args)
+        with sigterm_unwinds():
+            result = run(args)
     except UsageError as exc:
-        return fail(f"fetch_checkpoint: error: {exc}", 2)
+        CREATED.cleanup()
+        return say_error(TOOL, exc, EXIT_USAGE)
     except (KeyboardInterrupt, Interrupted) as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        name, rc = signal_exit(exc)
         CREATED.cleanup()
-        msg = f"fetch_checkpoint: interrupted ({signal.Signals(signum).name}){kept_note(args)}"
-        return fail(f"{msg}; rerun to resume: {rerun}", EXIT_SIGNAL[signum])
-    except NetworkError as exc:
+        print(f"{TOOL}: interrupted ({name}){kept_note(args)}; rerun to resume: {rerun}", file=sys.stderr,
+              flush=True)
+        return rc
+    except (FetchError, CheckpointError, SafetensorsError, OSError) as exc:
+        # a failed or interrupted fetch keeps what it verified and removes what a rerun would not reuse
         CREATED.cleanup()
-        return fail(f"fetch_checkpoint: error: {exc}{kept_note(args)}: {rerun}", 1)
-    except (FetchError, CheckpointError, SafetensorsError) as exc:
-        CREATED.cleanup()
-        return fail(f"fetch_checkpoint: error: {exc}{kept_note(args)}", 1)
-    except OSError as exc:
-        CREATED.cleanup()
-        where = f"{exc.filename}: " if exc.filename else ""
-        return fail(f"fetch_checkpoint: error: {where}{exc.strerror or exc}{kept_note(args)}", 1)
-    finally:
-        signal.signal(signal.SIGTERM, old)
+        resume = f": {rerun}" if isinstance(exc, NetworkError) else ""
+        return say_error(TOOL, f"{failure(exc)}{kept_note(args)}{resume}", EXIT_FAILED)
     print(json.dumps(result, default=str))
     return 0
 

@@ -37,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparkllm.cli import UsageError, WorkFailed, doc_parser, run_main  # noqa: E402
 from sparkllm.gpu_smi import MEMINFO, SmiError, bitmask, meminfo, num, query  # noqa: E402
 
 # (nvidia-smi field, metric, help, scale to the metric's unit)
@@ -243,25 +244,31 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="GB10 exporter (Prometheus text format)")
+def build_parser() -> argparse.ArgumentParser:
+    p = doc_parser("gb10_exporter.py", __doc__)
     p.add_argument("--listen", default="127.0.0.1", help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=9835)
+    p.add_argument("--port", type=int, default=9835, help="port to listen on")
     p.add_argument("--nvidia-smi", default=None, help="nvidia-smi to run (default: the one on PATH)")
     p.add_argument("--smi-timeout", type=float, default=5.0,
                    help="seconds nvidia-smi may take (keep it below Prometheus' scrape timeout; default 5)")
-    p.add_argument("--meminfo", type=Path, default=MEMINFO)
+    p.add_argument("--meminfo", type=Path, default=MEMINFO, help="the kernel's memory figures")
     p.add_argument("--ops-state-dir", type=Path, default=None,
                    help=f"the ops tools' state directory (e.g. {OPS_STATE_DIR}); default: not read")
     p.add_argument("--once", action="store_true", help="print one scrape and exit")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_main("gb10_exporter", lambda: export(args))
+
+
+def export(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
-        print(f"gb10_exporter: --port {args.port} is out of range: give 1..65535", file=sys.stderr)
-        return 2
+        raise UsageError(f"--port {args.port} is out of range: give 1..65535")
     if not (math.isfinite(args.smi_timeout) and args.smi_timeout > 0):
-        print(f"gb10_exporter: --smi-timeout {args.smi_timeout} must be a positive number of seconds "
-              "(below Prometheus' scrape timeout)", file=sys.stderr)
-        return 2
+        raise UsageError(f"--smi-timeout {args.smi_timeout} must be a positive number of seconds (below "
+                         "Prometheus' scrape timeout)")
     exe = args.nvidia_smi or shutil.which("nvidia-smi")
     collector = Collector(exe, args.meminfo, args.smi_timeout, args.ops_state_dir)
     if args.once:
@@ -269,17 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text)
         if "gb10_nvidia_smi_up 1.0" in text or "gb10_memory_available_bytes" in text:
             return 0
-        print(f"gb10_exporter: read nothing: nvidia-smi ({exe or 'not on PATH'}) and {args.meminfo} "
-              "both failed; "
-              "give --nvidia-smi PATH or check the driver", file=sys.stderr)
-        return 1
+        raise WorkFailed(f"read nothing: nvidia-smi ({exe or 'not on PATH'}) and {args.meminfo} both "
+                         "failed; give --nvidia-smi PATH or check the driver")
     Handler.collector = collector
     try:
         server = ThreadingHTTPServer((args.listen, args.port), Handler)
     except OSError as exc:
-        print(f"gb10_exporter: cannot listen on {args.listen}:{args.port}: {exc}; "
-              "free the port or give another with --port", file=sys.stderr)
-        return 1
+        raise WorkFailed(f"cannot listen on {args.listen}:{args.port}: {exc}; free the port or give "
+                         "another with --port") from None
     print(f"gb10_exporter: serving http://{args.listen}:{args.port}/metrics "
           f"(nvidia-smi: {exe or 'not found'})", file=sys.stderr, flush=True)
     with contextlib.suppress(KeyboardInterrupt):

@@ -74,8 +74,8 @@ from sparkllm.checkpoint import (
     plan_shard,
     read_source_record,
 )
-from sparkllm.cli import HelpFormatter
-from sparkllm.fileio import fsync_dir, write_json_atomic
+from sparkllm.cli import UsageError, doc_parser, run_main
+from sparkllm.fileio import atomic_path, fsync_dir, write_json_atomic
 from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
@@ -96,10 +96,6 @@ PARTS_LOCK = ".lock"
 PART_FORMAT = "hybrid_merge-part/1"
 
 
-class UsageError(Exception):
-    """The command line is wrong (exit 2); the message names the problem and the fix."""
-
-
 @dataclass
 class MergeResult:
     changed: bool
@@ -110,12 +106,7 @@ class MergeResult:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hybrid_merge.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=HelpFormatter,
-    )
+    p = doc_parser("hybrid_merge.py", __doc__)
     p.add_argument("--int4", required=True, type=Path, help="INT4 AutoRound checkpoint directory")
     p.add_argument("--fp8", required=True, type=Path, help="FP8 checkpoint directory (full or fp8-extract)")
     p.add_argument(
@@ -293,18 +284,8 @@ class PartStore:
         identity = part_identity(shard)
         if self.current(shard, identity):
             return False
-        path = self.dir / shard.name
-        tmp = self.dir / f".{shard.name}.part-{os.getpid()}"
-        try:
+        with atomic_path(self.dir / shard.name, "part") as tmp:
             meta = write_shard(shard, tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         self.record[shard.name] = {"input": identity, **meta, "merged_at": time.time()}
         write_json_atomic(self.dir / PARTS_RECORD, self.record)
         return True
@@ -520,14 +501,11 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        result, plan = run(args.int4, args.fp8, args.out, args.dry_run)
-    except UsageError as exc:
-        print(f"hybrid_merge: error: {exc}", file=sys.stderr)
-        return 2
-    except (CheckpointError, SafetensorsError, OSError) as exc:
-        print(f"hybrid_merge: error: {exc}", file=sys.stderr)
-        return 1
+    return run_main(TOOL, lambda: print_outcome(args), failed=(CheckpointError, SafetensorsError, OSError))
+
+
+def print_outcome(args: argparse.Namespace) -> int:
+    result, plan = run(args.int4, args.fp8, args.out, args.dry_run)
     if result is None:
         assert plan is not None
         print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))

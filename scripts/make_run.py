@@ -26,6 +26,8 @@ import re
 import shlex
 import sys
 
+from sparkllm.cli import UsageError, WorkFailed, run_main
+
 METHOD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 # target: (script, output directory, the target's own arguments before ARGS)
@@ -42,7 +44,7 @@ GPU_TARGETS = {
 TARGETS = ("deploy", "check", *GPU_TARGETS)
 
 
-class Refused(Exception):
+class Refused(UsageError):
     """A make variable holds a value that cannot be passed on; the message names it and the fix."""
 
 
@@ -98,22 +100,18 @@ def build_argv(target: str, env: dict[str, str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    return run_main("make_run", lambda: run(args))
+
+
+def run(args: list[str]) -> int:
     if len(args) != 1:
-        print(f"make_run: error: usage: make_run.py TARGET ({', '.join(TARGETS)})", file=sys.stderr)
-        return 2
-    try:
-        cmd = build_argv(args[0], dict(os.environ))
-    except Refused as exc:
-        print(f"make_run: error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"usage: make_run.py TARGET ({', '.join(TARGETS)})")
+    cmd = build_argv(args[0], dict(os.environ))
     print(shlex.join(cmd), flush=True)  # what make would have echoed
     try:
         os.execv(cmd[0], cmd)
     except OSError as exc:
-        print(
-            f"make_run: error: cannot run {cmd[0]} ({exc.strerror}); run `make setup` first", file=sys.stderr
-        )
-        return 1
+        raise WorkFailed(f"cannot run {cmd[0]} ({exc.strerror}); run `make setup` first") from None
     return 1  # not reached: execv replaces this process
 
 

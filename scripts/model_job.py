@@ -53,11 +53,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fetch_checkpoint import verified_files
-from hybrid_merge import UsageError as MergeUsageError
 from hybrid_merge import merge_landed_shard
 from hybrid_merge import run as merge_run
 from sparkllm.checkpoint import EXTRA_FILE, CheckpointError, load_fp8_table, verify_checkpoint
-from sparkllm.cli import HelpFormatter
+from sparkllm.cli import UsageError, WorkFailed, doc_parser, run_main
 from sparkllm.fileio import write_json_atomic
 from sparkllm.safetensors_io import SafetensorsError
 
@@ -65,11 +64,11 @@ POLL_S = 0.5
 STOP_GRACE_S = 10.0
 
 
-class JobError(Exception):
+class JobError(WorkFailed):
     """The job failed; the message names what failed and what to do."""
 
 
-class SpecError(Exception):
+class SpecError(UsageError):
     """The spec is unreadable or invalid (exit 2)."""
 
 
@@ -246,7 +245,7 @@ def run(job: Job) -> dict[str, object]:
                 fp8 = merge_landed(job, fp8)  # whatever landed with the last byte
                 break
             time.sleep(POLL_S)
-    except (JobError, CheckpointError, SafetensorsError, MergeUsageError, OSError) as exc:
+    except (JobError, CheckpointError, SafetensorsError, UsageError, OSError) as exc:
         stop_fetches(job)
         msg = str(exc)
         job.say(f"failed: {msg}")
@@ -266,7 +265,7 @@ def assemble(job: Job) -> None:
     try:
         result, _ = merge_run(job.int4_dir, job.fp8_dir, job.merge_out)
         report = verify_checkpoint(job.merge_out, expect_mtp=True, expect_hybrid=True)
-    except (CheckpointError, SafetensorsError, MergeUsageError, OSError) as exc:
+    except (CheckpointError, SafetensorsError, UsageError, OSError) as exc:
         job.assembly = f"not assembled: {exc} (the model stage merges again and reports it)"
         return
     if not report.ok:
@@ -279,12 +278,7 @@ def assemble(job: Job) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="model_job.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=HelpFormatter,
-    )
+    p = doc_parser("model_job.py", __doc__)
     p.add_argument("--spec", required=True, type=Path, help="job spec (JSON), see above")
     p.add_argument("--status", required=True, type=Path, help="status file (JSON), rewritten as the job goes")
     p.add_argument("--log", type=Path, help="log file (appended; default: standard error)")
@@ -293,22 +287,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    return run_main("model_job", lambda: start(a))
+
+
+def take_token(spec: dict[str, Any]) -> str | None:
+    """The Hub token from the spec's token file, which is deleted whatever happens."""
+    if not spec.get("token_file"):
+        return None
+    token_file = Path(spec["token_file"])
     try:
-        spec = load_spec(a.spec)
-    except SpecError as exc:
-        print(f"model_job: error: {exc}", file=sys.stderr)
-        return 2
-    token = None
-    if spec.get("token_file"):
-        token_file = Path(spec["token_file"])
-        try:
-            token = token_file.read_text(encoding="utf-8").strip() or None
-        except OSError as exc:
-            print(f"model_job: error: {token_file}: cannot read the token file ({exc.strerror}); "
-                  "rerun the model stage, which writes it again", file=sys.stderr)
-            return 1
-        finally:
-            token_file.unlink(missing_ok=True)
+        return token_file.read_text(encoding="utf-8").strip() or None
+    except OSError as exc:
+        raise WorkFailed(f"{token_file}: cannot read the token file ({exc.strerror}); rerun the model "
+                         "stage, which writes it again") from None
+    finally:
+        token_file.unlink(missing_ok=True)
+
+
+def start(a: argparse.Namespace) -> int:
+    spec = load_spec(a.spec)
+    token = take_token(spec)
     log: TextIO = open(a.log, "a", encoding="utf-8") if a.log else sys.stderr  # noqa: SIM115
     job = Job(
         fetches=[Fetch(f["key"], list(f["argv"]), bool(f.get("token"))) for f in spec["fetches"]],
@@ -321,9 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         doc = run(job)
-    except JobError as exc:
-        print(f"model_job: error: {exc}", file=sys.stderr)
-        return 1
     finally:
         if log is not sys.stderr:
             log.close()

@@ -26,18 +26,13 @@ import sys
 from pathlib import Path
 
 from sparkllm.checkpoint import EXTRA_FILE, CheckpointError, apply_mtp_patch, plan_mtp_patch
-from sparkllm.cli import HelpFormatter
+from sparkllm.cli import doc_parser, run_main
 from sparkllm.outdir import OutputRefused
 from sparkllm.safetensors_io import SafetensorsError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mtp_index_patch.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=HelpFormatter,
-    )
+    p = doc_parser("mtp_index_patch.py", __doc__)
     p.add_argument(
         "--source", required=True, type=Path, help=f"INT4 checkpoint directory holding {EXTRA_FILE}"
     )
@@ -50,17 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        if a.check:
-            result, _ = plan_mtp_patch(a.source, a.target, a.extra_file)
-        else:
-            result = apply_mtp_patch(a.source, a.target, a.extra_file)
-    except OutputRefused as exc:
-        print(f"mtp_index_patch: error: {exc}", file=sys.stderr)
-        return 2
-    except (CheckpointError, SafetensorsError, OSError) as exc:
-        print(f"mtp_index_patch: error: {exc}", file=sys.stderr)
-        return 1
+    return run_main("mtp_index_patch", lambda: patch(a), usage=(OutputRefused,),
+                    failed=(CheckpointError, SafetensorsError, OSError))
+
+
+def patch(a: argparse.Namespace) -> int:
+    if a.check:
+        result, _ = plan_mtp_patch(a.source, a.target, a.extra_file)
+    else:
+        result = apply_mtp_patch(a.source, a.target, a.extra_file)
     if a.json:
         print(json.dumps(result.as_dict()))
     else:

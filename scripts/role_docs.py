@@ -11,12 +11,12 @@ prose written by hand. ``--check`` changes nothing and exits 1 naming the README
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import yaml
+from sparkllm.cli import doc_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN = (
@@ -68,7 +68,7 @@ def updated(readme: str, block: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = doc_parser("role_docs.py", __doc__)
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table is stale")
     ap.add_argument(
         "--roles", type=Path, default=ROOT / "roles", help="roles directory (default: %(default)s)"

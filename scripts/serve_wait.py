@@ -27,13 +27,12 @@ import time
 import urllib.error
 import urllib.request
 
+from sparkllm.cli import UsageError, WorkFailed, doc_parser, run_main
 from sparkllm.serve_phases import Tracker, check_budgets, title
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="serve_wait.py", description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = doc_parser("serve_wait.py", __doc__)
     p.add_argument("--unit", required=True, help="systemd unit of the server")
     p.add_argument("--since", required=True, type=float, help="epoch seconds the start began")
     p.add_argument("--health", required=True, help="URL that answers 200 once the server is ready")
@@ -131,20 +130,21 @@ def step(args: argparse.Namespace, state: dict | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_main("serve_wait.py", lambda: wait_step(args))
+
+
+def wait_step(args: argparse.Namespace) -> int:
     try:
         check_budgets(json.loads(args.budgets))
         raw = sys.stdin.read() if not sys.stdin.isatty() else ""
         state = json.loads(raw) if raw.strip() and raw.strip() != "null" else None
     except ValueError as exc:
-        print(f"serve_wait.py: {exc} (--budgets takes a JSON object phase -> seconds; stdin the saved state)",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"{exc} (--budgets takes a JSON object phase -> seconds; stdin the saved "
+                         "state)") from None
     try:
         result = step(args, state)
     except FileNotFoundError as exc:
-        print(f"serve_wait.py: {exc.filename} not found: the wait needs journalctl and systemctl",
-              file=sys.stderr)
-        return 1
+        raise WorkFailed(f"{exc.filename} not found: the wait needs journalctl and systemctl") from None
     print(json.dumps(result))
     return 0
 

@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkllm import bench_analysis, bench_cli, bench_rate, bench_report, bench_store
-from sparkllm.cli import HelpFormatter
+from sparkllm.cli import UsageError, doc_parser, run_main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETTINGS_DIR = REPO_ROOT / "group_vars" / "all"
@@ -83,10 +83,6 @@ MEASURE_TAGS = "cluster,serve,bench"
 SERVE_TAGS = "cluster,serve"
 # the bench role's load-point lists: what a cell is measured at, not what is served (not in the hash)
 LOAD_POINT_VARS = ("bench_concurrency", "bench_request_rate", "bench_depth")
-
-
-class UsageError(Exception):
-    """The command line is wrong (exit 2); the message names the problem and the fix."""
 
 
 def load_settings(settings_dir: Path = SETTINGS_DIR) -> dict[str, Any]:
@@ -505,8 +501,7 @@ def _ints(s: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sweep.py", description=__doc__,
-                                formatter_class=HelpFormatter)
+    p = doc_parser("sweep.py", __doc__)
     p.add_argument("--methods", default=None,
                    help="comma-separated methods (default: the catalogue's methods whose requirements "
                         "are met; the others are named with the reason)")
@@ -565,11 +560,7 @@ def choose_methods(arg: str | None, settings: dict[str, Any]) -> tuple[list[str]
 
 def main(argv: list[str] | None = None, runner: Runner | None = None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        return _main(a, runner)
-    except (UsageError, bench_cli.UsageError) as exc:
-        print(f"sweep.py: error: {exc}", file=sys.stderr)
-        return 2
+    return run_main("sweep.py", lambda: _main(a, runner))
 
 
 def _main(a: argparse.Namespace, runner: Runner | None) -> int:

@@ -26,16 +26,11 @@ import sys
 from pathlib import Path
 
 from sparkllm.checkpoint import verify_checkpoint
-from sparkllm.cli import HelpFormatter
+from sparkllm.cli import UsageError, doc_parser, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="verify_checkpoint.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=HelpFormatter,
-    )
+    p = doc_parser("verify_checkpoint.py", __doc__)
     p.add_argument("dir", type=Path, help="checkpoint directory")
     p.add_argument("--expect-mtp", action="store_true", help="require registered mtp.* tensors")
     p.add_argument("--expect-hybrid", action="store_true", help="require FP8 weights, none under .experts.")
@@ -50,16 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    return run_main("verify_checkpoint", lambda: verify(a))
+
+
+def verify(a: argparse.Namespace) -> int:
     if not a.dir.is_dir():
-        print(
-            f"verify_checkpoint: error: {a.dir}: not a directory; pass the checkpoint directory",
-            file=sys.stderr,
-        )
-        return 2
+        raise UsageError(f"{a.dir}: not a directory; pass the checkpoint directory")
     if a.fp8_source is not None and not a.fp8_source.is_dir():
-        print(f"verify_checkpoint: error: --fp8-source {a.fp8_source}: not a directory; pass the FP8 "
-              f"checkpoint the hybrid was merged from", file=sys.stderr)
-        return 2
+        raise UsageError(f"--fp8-source {a.fp8_source}: not a directory; pass the FP8 checkpoint the "
+                         "hybrid was merged from")
     r = verify_checkpoint(a.dir, expect_mtp=a.expect_mtp, expect_hybrid=a.expect_hybrid,
                           expect_tool_tokens=a.expect_tool_tokens, fp8_source=a.fp8_source)
     if a.json:

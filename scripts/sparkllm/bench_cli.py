@@ -65,7 +65,7 @@ from sparkllm.bench_store import (
     open_store,
     store_run,
 )
-from sparkllm.cli import HelpFormatter
+from sparkllm.cli import doc_parser, run_main, subcommands
 
 
 def print_summary(doc: dict[str, Any], out: Any = None) -> None:
@@ -383,13 +383,12 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
-                                epilog=__doc__[__doc__.index("Exit codes:"):].split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    exit_codes = __doc__[__doc__.index("Exit codes:"):].split("\n\n")[0]
+    p = doc_parser("bench.py", f"{__doc__.splitlines()[0]}\n\n{exit_codes}")
+    add = subcommands(p)
 
     def parser(name: str, text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        return add(name, text, description=text)
 
     r = parser("run", "benchmark a running server (stdlib only)")
     r.add_argument("--base-url", required=True, help="server URL, http(s)://HOST[:PORT], e.g. http://127.0.0.1:8000")
@@ -473,20 +472,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    where = f"bench.py {a.cmd}"
+    return run_main(f"bench.py {a.cmd}", lambda: dispatch(a), failed=(OSError, sqlite3.Error))
+
+
+def dispatch(a: argparse.Namespace) -> int:
     try:
         return int(a.func(a))
-    except UsageError as exc:
-        print(f"{where}: error: {exc}", file=sys.stderr)
-        return 2
-    except WorkFailed as exc:
-        print(f"{where}: error: {exc}", file=sys.stderr)
-        return 1
     except SystemExit as exc:
         if isinstance(exc.code, str):  # raised with a message deeper down: a failure of the work
-            print(f"{where}: error: {exc.code}", file=sys.stderr)
-            return 1
+            raise WorkFailed(exc.code) from None
         raise
-    except (OSError, sqlite3.Error) as exc:
-        print(f"{where}: error: {exc}", file=sys.stderr)
-        return 1

@@ -7,18 +7,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+# the two error kinds (exit 2, exit 1) every bench module raises: sparkllm.cli's, re-exported
+from .cli import UsageError as UsageError
+from .cli import WorkFailed as WorkFailed
+
 SCRIPTS_DIR = Path(__file__).resolve().parent.parent  # scripts/ (on the Spark: spark_tools_dir)
 DEFAULT_PROMPTS = SCRIPTS_DIR / "prompts" / "prompts.jsonl"
 SPECBENCH_MANIFEST = SCRIPTS_DIR / "prompts" / "specbench.json"
 REPORT_DIRNAME = "report"  # the report's directory inside the store: DIR/report/report.md
-
-
-class UsageError(Exception):
-    """The command line is wrong (exit 2); the message names the problem and the fix."""
-
-
-class WorkFailed(Exception):
-    """The work was attempted and failed (exit 1); the message says why."""
 
 
 def utc_now() -> str:

@@ -38,6 +38,9 @@ STORE_NAME = "results.sqlite"
 SCHEMA_VERSION = 3
 
 
+def add_columns(table: str, *columns: str) -> str:
+    """A migration's ALTER TABLE statements, one per "name TYPE" column added to ``table``."""
+    return "".join(f"ALTER TABLE {table} ADD COLUMN {c};\n" for c in columns)
 
 
 MIGRATIONS: list[tuple[int, str, str]] = [
@@ -58,30 +61,20 @@ CREATE TABLE IF NOT EXISTS requests (
     decode_s REAL, e2e_s REAL, decode_tok_s REAL, tpot_ms REAL, tokens_per_chunk REAL,
     PRIMARY KEY (run_id, idx));
 """),
-    (2, "load, depth, outputs and energy: request outputs, run depth/energy, output checks", """
-ALTER TABLE runs ADD COLUMN input_depth INTEGER;
-ALTER TABLE runs ADD COLUMN output_tok_s_aggregate REAL;
-ALTER TABLE runs ADD COLUMN j_per_output_token REAL;
-ALTER TABLE runs ADD COLUMN warnings TEXT;
-ALTER TABLE requests ADD COLUMN prompt_tokens INTEGER;
-ALTER TABLE requests ADD COLUMN prefill_tok_s REAL;
-ALTER TABLE requests ADD COLUMN output_sha256 TEXT;
-ALTER TABLE requests ADD COLUMN output_text TEXT;
-CREATE TABLE IF NOT EXISTS output_checks (
+    (2, "load, depth, outputs and energy: request outputs, run depth/energy, output checks", "\n"
+     + add_columns("runs", "input_depth INTEGER", "output_tok_s_aggregate REAL", "j_per_output_token REAL",
+                   "warnings TEXT")
+     + add_columns("requests", "prompt_tokens INTEGER", "prefill_tok_s REAL", "output_sha256 TEXT",
+                   "output_text TEXT")
+     + """CREATE TABLE IF NOT EXISTS output_checks (
     run_id TEXT PRIMARY KEY REFERENCES runs(run_id), baseline_run_id TEXT, compared INTEGER,
     identical_share REAL, median_prefix_share REAL, floor_identical_share REAL,
     floor_median_prefix_share REAL, differs INTEGER NOT NULL, checked_utc TEXT NOT NULL);
 """),
-    (3, "request-rate mode: offered rate, goodput against targets, arrival schedule", """
-ALTER TABLE runs ADD COLUMN request_rate REAL;
-ALTER TABLE runs ADD COLUMN completed_rate_req_s REAL;
-ALTER TABLE runs ADD COLUMN goodput_targets TEXT;
-ALTER TABLE runs ADD COLUMN goodput_share REAL;
-ALTER TABLE runs ADD COLUMN goodput_req_s REAL;
-ALTER TABLE requests ADD COLUMN arrival_s REAL;
-ALTER TABLE requests ADD COLUMN lag_s REAL;
-ALTER TABLE requests ADD COLUMN meets_targets INTEGER;
-"""),
+    (3, "request-rate mode: offered rate, goodput against targets, arrival schedule", "\n"
+     + add_columns("runs", "request_rate REAL", "completed_rate_req_s REAL", "goodput_targets TEXT",
+                   "goodput_share REAL", "goodput_req_s REAL")
+     + add_columns("requests", "arrival_s REAL", "lag_s REAL", "meets_targets INTEGER")),
 ]
 
 RUN_COLUMNS = ("run_id", "label", "method", "config_hash", "repetition", "valid", "problems", "started_utc",

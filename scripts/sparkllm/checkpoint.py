@@ -12,12 +12,11 @@ import hashlib
 import json
 import math
 import os
-import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .fileio import fsync_dir, sha256_file, write_json_atomic
+from .fileio import place_atomic, sha256_file, write_json_atomic
 from .outdir import MARKER as OWNER_MARKER
 from .outdir import OutputRefused, made_by_toolkit
 from .safetensors_io import (
@@ -501,31 +500,10 @@ def plan_mtp_patch(source: Path, target: Path, extra_file: str = EXTRA_FILE) -> 
     return result, new_doc
 
 
-def place_file(src: Path, dst: Path) -> bool:
-    """Hard-link (same filesystem) or copy ``src`` to ``dst`` atomically; True when linked."""
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    linked = False
-    try:
-        try:
-            os.link(src, tmp)
-            linked = True
-        except OSError:
-            with open(src, "rb") as fi, open(tmp, "wb") as fo:
-                shutil.copyfileobj(fi, fo, 1 << 22)
-                fo.flush()
-                os.fsync(fo.fileno())
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(dst.parent)
-    return linked
-
-
 def apply_mtp_patch(source: Path, target: Path, extra_file: str = EXTRA_FILE) -> MtpPatchResult:
     result, new_doc = plan_mtp_patch(source, target, extra_file)
     if result.copied:
-        result.linked = place_file(source / extra_file, target / extra_file)
+        result.linked = place_atomic(source / extra_file, target / extra_file)
     if result.changed:
         write_json_atomic(target / INDEX_NAME, new_doc)
     return result

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import ssl
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .checkpoint import SOURCE_RECORD
+from .cli import UsageError
 from .outdir import MARKER, OutputRefused, check_output_dir, marker_tool, write_marker
 from .safetensors_io import INDEX_NAME
 
@@ -39,10 +41,6 @@ T = TypeVar("T")
 
 class FetchError(Exception):
     """A download or verification failed; the message names the file and the problem."""
-
-
-class UsageError(Exception):
-    """The command line is wrong (exit 2); the message names the problem and the fix."""
 
 
 class TransientError(FetchError):
@@ -267,6 +265,19 @@ def read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def still_verified(path: Path, rec: object, size: int | None = None) -> bool:
+    """True when ``rec``, what was recorded the moment ``path`` was verified, still describes it: a
+    regular file of the recorded size and mtime (and of ``size``, the size expected, when given)."""
+    if not isinstance(rec, dict):
+        return False
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    same = rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns
+    return stat.S_ISREG(st.st_mode) and same and size in (None, st.st_size)
 
 
 def check_disk_space(dest_dir: Path, needed: int) -> None:

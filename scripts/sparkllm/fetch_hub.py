@@ -14,22 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from . import fetch_common as common
 from .checkpoint import SOURCE_RECORD
-from .fetch_common import (
-    TRANSIENT_HTTP,
-    FetchError,
-    Retry,
-    TransientError,
-    UsageError,
-    check_disk_space,
-    claim_dir,
-    gib,
-    git_blob_sha1,
-    host_of,
-    log,
-    network_problem,
-    read_json,
-)
+from .fetch_common import TRANSIENT_HTTP, FetchError, Retry, TransientError, UsageError
 from .fetch_remote import COMMIT_RE
 from .fileio import sha256_file, write_json_atomic
 
@@ -72,7 +59,7 @@ def hub_error(exc: Exception, where: str, host: str) -> FetchError | UsageError:
                 return TransientError(f"{where}: HTTP {code}", f"{host} answered HTTP {code}")
             hint = f" ({TOKEN_HINT})" if code in (401, 403) else ""
             return FetchError(f"{where}: HTTP {code}{hint}")
-    problem = network_problem(exc, host)
+    problem = common.network_problem(exc, host)
     if problem is not None:
         return TransientError(f"{where}: {type(exc).__name__}: {exc}", problem)
     first = str(exc).splitlines()[0] if str(exc) else ""
@@ -121,7 +108,7 @@ class HfHubClient:
                     "(spark_tools creates /opt/sparkllm/venv) or pip install huggingface_hub"
                 ) from None
             except Exception as exc:  # noqa: BLE001 - huggingface_hub's and httpx's own types
-                raise hub_error(exc, where, host_of(self.endpoint)) from None
+                raise hub_error(exc, where, common.host_of(self.endpoint)) from None
 
         return self.retry(once)
 
@@ -135,7 +122,7 @@ class HfHubClient:
             sha = getattr(info, "sha", None)
             if not sha or not COMMIT_RE.fullmatch(sha):
                 raise FetchError(f"{self.repo}@{self.revision}: the Hub did not name the commit ({sha!r})")
-            log(f"{self.repo}: revision {self.revision} is commit {sha}; this fetch reads that commit")
+            common.log(f"{self.repo}: revision {self.revision} is commit {sha}; this fetch reads that commit")
             self.revision = sha
         return self.revision
 
@@ -181,7 +168,7 @@ def verify_file(path: Path, rf: RemoteFile) -> None:
         raise FetchError(
             f"{path}: sha256 differs from the Hub's ({rf.sha256}); file deleted, rerun to refetch"
         )
-    if not rf.sha256 and rf.blob_sha1 and git_blob_sha1(path) != rf.blob_sha1:
+    if not rf.sha256 and rf.blob_sha1 and common.git_blob_sha1(path) != rf.blob_sha1:
         raise FetchError(f"{path}: git blob id differs from the Hub's ({rf.blob_sha1}); file deleted, rerun")
 
 
@@ -193,29 +180,19 @@ def hub_fetch(
     ]
     if not files:
         raise FetchError(f"{repo}@{revision}: no files match {include}")
-    claim_dir(dest)
+    common.claim_dir(dest)
     record_path = dest / SOURCE_RECORD
-    record = read_json(record_path)
+    record = common.read_json(record_path)
     commit = client.commit()  # listing pinned the revision: no extra request
     # Files verified earlier count when they were read from the same revision, or from the same commit
     # under another name (the branch a first fetch named, and the commit SHA a locked rerun names).
     same = record.get("revision") == revision or (commit is not None and record.get("commit") == commit)
     verified: dict[str, Any] = record.get("verified", {}) if same else {}
 
-    def done(rf: RemoteFile) -> bool:
-        p = dest / rf.name
-        v = verified.get(rf.name)
-        return (
-            p.is_file()
-            and isinstance(v, dict)
-            and v.get("size") == rf.size == p.stat().st_size
-            and v.get("mtime_ns") == p.stat().st_mtime_ns
-        )
-
-    todo = [f for f in files if not done(f)]
-    check_disk_space(dest, sum(f.size for f in todo))
+    todo = [f for f in files if not common.still_verified(dest / f.name, verified.get(f.name), f.size)]
+    common.check_disk_space(dest, sum(f.size for f in todo))
     for k, rf in enumerate(todo, 1):
-        log(f"[{k}/{len(todo)}] {repo}/{rf.name} ({gib(rf.size)})")
+        common.log(f"[{k}/{len(todo)}] {repo}/{rf.name} ({common.gib(rf.size)})")
         path = client.download(rf.name, dest)
         try:
             verify_file(path, rf)

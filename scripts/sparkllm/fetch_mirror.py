@@ -12,6 +12,7 @@ import errno
 import hashlib
 from pathlib import Path
 
+from . import fetch_common as common
 from .checkpoint import (
     MANIFEST_NAME,
     SOURCE_RECORD,
@@ -21,20 +22,7 @@ from .checkpoint import (
     manifest_doc,
     read_manifest,
 )
-from .fetch_common import (
-    MIRROR_STATE,
-    FetchError,
-    Retry,
-    TransientError,
-    UsageError,
-    check_disk_space,
-    claim_dir,
-    gib,
-    log,
-    make_dir,
-    read_json,
-    refuse_output,
-)
+from .fetch_common import MIRROR_STATE, FetchError, Retry, TransientError, UsageError
 from .fileio import Throttle, atomic_write, fsync_dir, write_json_atomic
 
 # a mounted mirror's server or link failing, not the file: worth another try
@@ -47,19 +35,13 @@ MOUNT_FIX = "check the mirror's mount and its server, then rerun to resume"
 def verified_files(dest: Path) -> dict[str, int]:
     """Files of ``dest`` this tool has verified and that are still as verified (size and mtime):
     name -> size. Read while a fetch runs, it lists the files that are complete already."""
-    mirror = read_json(dest / MIRROR_STATE)
-    hub = read_json(dest / SOURCE_RECORD).get("verified", {})
+    mirror = common.read_json(dest / MIRROR_STATE)
+    hub = common.read_json(dest / SOURCE_RECORD).get("verified", {})
     out: dict[str, int] = {}
     for states in (hub if isinstance(hub, dict) else {}, mirror):
         for name, st in states.items():
-            if not isinstance(st, dict):
-                continue
-            try:
-                cur = (dest / name).stat()
-            except OSError:
-                continue
-            if st.get("size") == cur.st_size and st.get("mtime_ns") == cur.st_mtime_ns:
-                out[name] = cur.st_size
+            if common.still_verified(dest / name, st):
+                out[name] = st["size"]
     return out
 
 
@@ -85,7 +67,7 @@ def mirror_fetch(src: Path, dest: Path, max_rate: float = 0, retry: Retry | None
         raise UsageError(
             f"{src}: --src is not a directory; pass the mirror directory (holding {MANIFEST_NAME})"
         )
-    refuse_output(dest, "--dest", (("--src", src),))
+    common.refuse_output(dest, "--dest", (("--src", src),))
     manifest_path = src / MANIFEST_NAME
     if not manifest_path.is_file():
         raise UsageError(
@@ -95,33 +77,28 @@ def mirror_fetch(src: Path, dest: Path, max_rate: float = 0, retry: Retry | None
         entries = read_manifest(manifest_path)
     except CheckpointError as exc:
         raise FetchError(str(exc)) from None
-    claim_dir(dest, inputs=(("--src", src),))
+    common.claim_dir(dest, inputs=(("--src", src),))
     record_path = dest / SOURCE_RECORD
-    record = read_json(src / SOURCE_RECORD)
-    state = read_json(dest / MIRROR_STATE)
+    record = common.read_json(src / SOURCE_RECORD)
+    state = common.read_json(dest / MIRROR_STATE)
     retry = retry or Retry(fix=MOUNT_FIX)
     retry.fix = MOUNT_FIX
 
     def done(e: ManifestEntry) -> bool:
-        p = dest / e.name
         s = state.get(e.name)
-        return (
-            p.is_file()
-            and isinstance(s, dict)
-            and s.get("sha256") == e.sha256
-            and (s.get("size") == e.size == p.stat().st_size and s.get("mtime_ns") == p.stat().st_mtime_ns)
-        )
+        same_sha = isinstance(s, dict) and s.get("sha256") == e.sha256
+        return same_sha and common.still_verified(dest / e.name, s, e.size)
 
     todo = [e for e in entries if not done(e)]
     for e in todo:
         if not (src / e.name).is_file():
             raise FetchError(f"{src / e.name}: listed in {MANIFEST_NAME} but missing from the mirror")
-    check_disk_space(dest, sum(e.size for e in todo))
+    common.check_disk_space(dest, sum(e.size for e in todo))
     throttle = Throttle(max_rate)
     for e in todo:
-        log(f"mirror: {e.name} ({gib(e.size)})")
+        common.log(f"mirror: {e.name} ({common.gib(e.size)})")
         for sub in reversed((dest / e.name).relative_to(dest).parents[:-1]):
-            make_dir(dest / sub)
+            common.make_dir(dest / sub)
         retry(lambda e=e: _copy_once(src, dest, e, throttle))
         state[e.name] = {"size": e.size, "sha256": e.sha256, "mtime_ns": (dest / e.name).stat().st_mtime_ns}
         write_json_atomic(dest / MIRROR_STATE, state)

@@ -16,21 +16,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from . import fetch_common as common
 from .checkpoint import FP8_DTYPE, SOURCE_RECORD, is_expert, is_mtp, scale_name
-from .fetch_common import (
-    CHUNK,
-    TRANSIENT_HTTP,
-    FetchError,
-    Retry,
-    TransientError,
-    UsageError,
-    check_disk_space,
-    claim_dir,
-    host_of,
-    log,
-    network_problem,
-    read_json,
-)
+from .fetch_common import CHUNK, TRANSIENT_HTTP, FetchError, Retry, TransientError, UsageError
 from .fileio import atomic_write, write_json_atomic
 from .safetensors_io import (
     INDEX_NAME,
@@ -77,7 +65,11 @@ class Remote:
 
     def __post_init__(self) -> None:
         self.requested = self.requested or self.revision
-        self.host = host_of(self.endpoint)
+        self.host = common.host_of(self.endpoint)
+
+    @property
+    def closed_early(self) -> str:
+        return f"{self.host} closed the connection early"
 
     def url(self, file: str) -> str:
         return f"{self.endpoint}/{self.repo}/resolve/{quote(self.revision, safe='')}/{quote(file)}"
@@ -101,14 +93,15 @@ class Remote:
             raise FetchError(f"{where}: HTTP {exc.code}{hint}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
-            problem = network_problem(exc, self.host) or f"{self.host} could not be reached ({reason})"
+            problem = common.network_problem(exc, self.host) or f"{self.host} could not be reached ({reason})"
             raise TransientError(f"{where}: {reason}", problem) from None
         named = resp.headers.get("X-Repo-Commit")
         if self.commit is None and named and COMMIT_RE.fullmatch(named):
             self.commit = named
             if self.revision != named:
                 # every later request of this fetch reads the same commit, even if the branch moves
-                log(f"{self.repo}: revision {self.revision} is commit {named}; this fetch reads that commit")
+                common.log(f"{self.repo}: revision {self.revision} is commit {named}; this fetch reads that "
+                           "commit")
                 self.revision = named
         elif named and self.commit and named != self.commit:
             raise FetchError(f"{where}: the Hub answered from commit {named}, not {self.commit}")
@@ -127,7 +120,7 @@ class Remote:
                 try:
                     return resp.read()
                 except (OSError, http.client.HTTPException) as exc:
-                    problem = network_problem(exc, self.host) or f"{self.host} closed the connection early"
+                    problem = common.network_problem(exc, self.host) or self.closed_early
                     raise TransientError(f"{self.repo}/{file}@{self.revision}: {exc}", problem) from None
 
         body = self._retrying(once)
@@ -164,7 +157,7 @@ class Remote:
                         self.bytes_received += len(block)
                 except (OSError, http.client.HTTPException) as exc:
                     lost = f"{where}: connection lost after {got - before} bytes ({exc})"
-                    problem = network_problem(exc, self.host) or f"{self.host} closed the connection early"
+                    problem = common.network_problem(exc, self.host) or self.closed_early
                     raise TransientError(lost, problem) from None
                 if got < length:
                     early = f"{self.host} closed the connection early"
@@ -264,7 +257,7 @@ def fetch_selection(remote: Remote, sel: Selection, dest: Path) -> Header:
             ranges = [ByteRange(t.offset, t.length) for t in sel.tensors if t.file == file]
             for r in coalesce(ranges):
                 remote.stream_range(file, r.offset, r.length, out.write)
-            log(f"fetched {sum(x.length for x in ranges)} bytes from {file}")
+            common.log(f"fetched {sum(x.length for x in ranges)} bytes from {file}")
         out.flush()
         header = read_header(out.name)
         if header.data_size != sel.nbytes:
@@ -276,7 +269,7 @@ def fp8_extract(remote: Remote, dest: Path, pattern: str) -> dict[str, object]:
     if dest.is_dir():
         raise UsageError(f"{dest}: --dest is a directory; fp8-extract writes one FILE: name a file inside it")
     record_path = dest.parent / SOURCE_RECORD
-    old = read_json(record_path)
+    old = common.read_json(record_path)
     if dest.is_file() and old.get("repo") == remote.repo and old.get("revision") == remote.requested:
         try:
             if old.get("pattern") == pattern and read_header(dest).digest == old.get("header_sha256"):
@@ -286,8 +279,9 @@ def fp8_extract(remote: Remote, dest: Path, pattern: str) -> dict[str, object]:
     sel = select_tensors(remote, re.compile(pattern))
     if not sel.tensors:
         raise FetchError(f"{remote.repo}@{remote.revision}: no FP8 tensors with scales match {pattern!r}")
-    claim_dir(dest.parent, flag="--dest's directory")  # after the selection: offline, nothing is created
-    check_disk_space(dest.parent, sel.nbytes + MAX_HEADER_BYTES // 100)
+    # after the selection: offline, nothing is created
+    common.claim_dir(dest.parent, flag="--dest's directory")
+    common.check_disk_space(dest.parent, sel.nbytes + MAX_HEADER_BYTES // 100)
     header = fetch_selection(remote, sel, dest)
     write_json_atomic(
         dest.parent / INDEX_NAME,

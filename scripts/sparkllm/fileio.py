@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,22 +38,52 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
-def atomic_write(path: str | os.PathLike[str], tag: str = "tmp") -> Iterator[BinaryIO]:
-    """Open ``.<name>.<tag>-<pid>`` next to ``path`` for binary writing; on a clean exit of the block,
-    fsync it and rename it over ``path``. The block may read the temporary file back (``f.name``,
-    after ``f.flush()``) and raise to refuse it: ``path`` is then left as it was."""
+def atomic_path(path: str | os.PathLike[str], tag: str = "tmp") -> Iterator[Path]:
+    """The one atomic write: yield ``.<name>.<tag>-<pid>`` next to ``path`` (nothing there yet) for
+    the block to create: write, link or copy it. On a clean exit of the block the file is fsynced and
+    renamed over ``path``, then the directory is fsynced; on any failure the temporary file is removed
+    and ``path`` is left as it was."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.{tag}-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
     try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fsync_file(tmp)
         os.replace(tmp, p)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(p.parent)
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike[str], tag: str = "tmp") -> Iterator[BinaryIO]:
+    """``atomic_path`` with the temporary file open for binary writing. The block may read it back
+    (``f.name``, after ``f.flush()``) and raise to refuse it: ``path`` is then left as it was."""
+    with atomic_path(path, tag) as tmp, open(tmp, "wb") as f:
+        yield f
+        f.flush()
+
+
+def place_atomic(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> bool:
+    """Hard-link (same filesystem) or else copy ``src`` to ``dst`` atomically (``atomic_path``);
+    True when linked."""
+    with atomic_path(dst) as tmp:
+        try:
+            os.link(src, tmp)
+            return True
+        except OSError:
+            with open(src, "rb") as fi, open(tmp, "wb") as fo:
+                shutil.copyfileobj(fi, fo, STREAM_BLOCK)
+            return False
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:

@@ -22,9 +22,12 @@ from pathlib import Path
 
 import bench
 import fetch_checkpoint
+import gb10_exporter
 import hybrid_merge
+import model_job
 import mtp_index_patch
 import pytest
+import serve_wait
 import sweep
 import verify_checkpoint
 from bench_helpers import write_prompts
@@ -305,7 +308,9 @@ def parsers() -> list[tuple[str, argparse.ArgumentParser]]:
                     ("fetch_checkpoint.py", fetch_checkpoint.build_parser()),
                     ("hybrid_merge.py", hybrid_merge.build_parser()),
                     ("mtp_index_patch.py", mtp_index_patch.build_parser()),
-                    ("verify_checkpoint.py", verify_checkpoint.build_parser())]:
+                    ("verify_checkpoint.py", verify_checkpoint.build_parser()),
+                    ("model_job.py", model_job.build_parser()), ("serve_wait.py", serve_wait.build_parser()),
+                    ("gb10_exporter.py", gb10_exporter.build_parser())]:
         out.append((name, p))
         for action in p._actions:
             if isinstance(action, argparse._SubParsersAction):

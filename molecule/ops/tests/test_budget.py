@@ -9,8 +9,8 @@ MiB, the server 0.25 (512 MiB), the desktop 384 MiB, the guard's lines 128 / 64 
 from __future__ import annotations
 
 import re
-import time
 
+from host_probe import healthy, wait_until
 from playbook_runner import run_playbook
 
 PORT = 18471
@@ -19,20 +19,6 @@ CONTAINER = "molops-vllm-baseline"
 RESERVED_MIB = 512  # 0.25 x 2048 MiB
 DESKTOP_MIB = 384
 TERM_MIB, KILL_MIB = 128, 64
-
-
-def _wait(pred, timeout: float, what: str, step: float = 0.5):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _healthy(host) -> bool:
-    return host.run(f"curl -sf --max-time 1 http://127.0.0.1:{PORT}/health").rc == 0
 
 
 def _rss_mib(host, pid: str) -> int:
@@ -70,7 +56,7 @@ def test_the_default_deploy_keeps_serving_beside_the_desktop(host):
     assert "-M 131072,65536" in host.file("/etc/default/earlyoom").content_string
     assert _kills(host) == 0
     assert host.check_output(f"systemctl show -p NRestarts --value {UNIT}") == "0"
-    assert _healthy(host)
+    assert healthy(host, PORT)
     avail = _avail_mib(host)
     assert avail > TERM_MIB + 100, avail
     print(f"\nBUDGET FIGURE: default deploy serving; MemAvailable {avail} MiB beside the desktop "
@@ -80,7 +66,7 @@ def test_the_default_deploy_keeps_serving_beside_the_desktop(host):
 
 def test_a_utilization_that_leaves_too_little_is_refused_before_anything_starts(host):
     host.check_output(f"systemctl stop {UNIT}")
-    _wait(lambda: not host.service(UNIT).is_running, 30, f"{UNIT} to stop")
+    wait_until(lambda: not host.service(UNIT).is_running, 30, f"{UNIT} to stop")
     try:
         t0 = host.check_output("date +%s")
         res = run_playbook("molecule/ops/converge.yml", {"vllm_gpu_memory_utilization": 0.7})
@@ -99,11 +85,11 @@ def test_a_utilization_that_leaves_too_little_is_refused_before_anything_starts(
         print(f"\nBUDGET FIGURE: 0.7 refused with {m.group(1)} GiB left; preflight prints {m.group(2)}")
     finally:
         host.check_output(f"systemctl start {UNIT}")
-    _wait(lambda: _healthy(host), 60, "the server's /health again")
+    wait_until(lambda: healthy(host, PORT), 60, "the server's /health again")
 
 
 def test_an_ops_stage_whose_guard_stops_the_server_fails_loudly(host):
-    assert _healthy(host)
+    assert healthy(host, PORT)
     # a SIGTERM line above what the box keeps: earlyoom stops the server as soon as it starts with it
     line = (_avail_mib(host) + 64) << 20
     t0 = host.check_output("date +%s")
@@ -124,9 +110,9 @@ def test_an_ops_stage_whose_guard_stops_the_server_fails_loudly(host):
                                {"spark_stage_force": True, "spark_ops_check_server": False})
         assert restore.rc == 0, restore.output[-3000:]
         host.check_output(f"systemctl start {UNIT}")
-        _wait(lambda: _healthy(host), 60, "the server's /health again")
+        wait_until(lambda: healthy(host, PORT), 60, "the server's /health again")
         pid = host.check_output("pgrep -x vllm")
         again = run_playbook("playbooks/ops.yml", {"spark_stage_force": True})
     assert again.rc == 0, again.output[-3000:]
     assert "-M 131072,65536" in host.file("/etc/default/earlyoom").content_string
-    assert host.check_output("pgrep -x vllm") == pid and _healthy(host)
+    assert host.check_output("pgrep -x vllm") == pid and healthy(host, PORT)

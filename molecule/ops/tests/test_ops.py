@@ -13,6 +13,7 @@ import re
 import subprocess
 import time
 
+from host_probe import healthy, host_now, invocation, journal, wait_until
 from playbook_runner import PROJECT
 
 PORT = 18471
@@ -22,34 +23,8 @@ WEDGE = "/var/tmp/molecule-ops-wedge/on"  # /wedge/on in the server container (m
 HOLD_MIB = 512  # host_vars: the stand-in reserves 0.25 x 2048 MiB at start
 
 
-def _now(host) -> int:
-    return int(host.check_output("date +%s"))
-
-
-def _journal(host, since: int, *args: str) -> str:
-    return host.check_output(f"journalctl --no-pager -o cat --since @{since} {' '.join(args)}")
-
-
-def _wait(pred, timeout: float, what: str, step: float = 0.5):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _healthy(host) -> bool:
-    return host.run(f"curl -sf --max-time 1 http://127.0.0.1:{PORT}/health").rc == 0
-
-
 def _meminfo_mib(host, field: str) -> int:
     return int(host.check_output(f"awk '/^{field}:/ {{print int($2 / 1024)}}' /proc/meminfo"))
-
-
-def _invocation(host) -> str:
-    return host.check_output(f"systemctl show -p InvocationID --value {UNIT}")
 
 
 def _ping() -> subprocess.CompletedProcess:
@@ -80,8 +55,8 @@ def test_the_guard_sees_the_test_hosts_limit_and_the_server(host):
 
 
 def test_a_memory_hog_gets_the_server_stopped_and_the_box_stays_up(host):
-    assert host.service(UNIT).is_running and _healthy(host)
-    t0 = _now(host)
+    assert host.service(UNIT).is_running and healthy(host, PORT)
+    t0 = host_now(host)
     avail = _meminfo_mib(host, "MemAvailable")
     # grow until MemAvailable would sit at ~80 MiB: below the SIGTERM line (128 MiB), above SIGKILL's
     # (64 MiB); 8 MiB every 0.1 s, so earlyoom (polling every 100 ms this close) acts on the way down
@@ -89,8 +64,8 @@ def test_a_memory_hog_gets_the_server_stopped_and_the_box_stays_up(host):
     assert cap > HOLD_MIB, f"the test host has {avail} MiB available; the hog needs more than the server"
     host.check_output(f"systemd-run --unit ops-hog --collect /usr/bin/python3 /usr/local/bin/ops-hog {cap}")
     try:
-        _wait(lambda: not host.service(UNIT).is_running, 90, f"the guard to stop {UNIT}")
-        log = _journal(host, t0, "-t", "earlyoom", "-t", "sparkllm-memory-guard")  # earlyoom and its hook
+        wait_until(lambda: not host.service(UNIT).is_running, 90, f"the guard to stop {UNIT}")
+        log = journal(host, t0, "-t", "earlyoom", "-t", "sparkllm-memory-guard")  # earlyoom and its hook
         kill = re.search(r'sending SIG(TERM|KILL) to process (\d+) uid \d+ "([^"]+)"', log)
         assert kill and kill.group(3) == "vllm", log
         assert len(re.findall(r"sending SIG(?:TERM|KILL) to process", log)) == 1, log  # the hog was spared
@@ -104,9 +79,9 @@ def test_a_memory_hog_gets_the_server_stopped_and_the_box_stays_up(host):
         assert hog_rss > HOLD_MIB, hog_rss
         avail_line = re.search(r"mem avail:.*?\)", log)
         print(f"\nGUARD FIGURE: {avail_line.group(0) if avail_line else '?'}; {kill.group(0)}; "
-              f"stopped {_now(host) - t0} s after the hog started; hog spared at {hog_rss} MiB")
-        assert _wait(lambda: _meminfo_mib(host, "MemAvailable") > 128 + HOLD_MIB // 2, 10,
-                     "the server's memory to come back")
+              f"stopped {host_now(host) - t0} s after the hog started; hog spared at {hog_rss} MiB")
+        assert wait_until(lambda: _meminfo_mib(host, "MemAvailable") > 128 + HOLD_MIB // 2, 10,
+                          "the server's memory to come back")
         # the box answers Ansible, and nothing brings the server back into the shortage
         ping = _ping()
         assert ping.returncode == 0 and re.search(r"SUCCESS.*\bping\W+pong", ping.stdout, re.S), \
@@ -120,53 +95,53 @@ def test_a_memory_hog_gets_the_server_stopped_and_the_box_stays_up(host):
 
 def test_the_server_starts_again_once_memory_is_back(host):
     host.check_output(f"systemctl start {UNIT}")
-    _wait(lambda: _healthy(host), 60, "the restarted server's /health")
+    wait_until(lambda: healthy(host, PORT), 60, "the restarted server's /health")
 
 
 def test_a_wedged_server_is_restarted_after_two_failed_probes(host):
-    before = _invocation(host)
+    before = invocation(host, UNIT)
     pid = host.check_output("pgrep -x vllm")
-    t0 = _now(host)
+    t0 = host_now(host)
     host.check_output(f"touch {WEDGE}")
     try:
         # the process lives on and accepts connections, /health does not answer
         assert host.run(f"curl -s --max-time 2 http://127.0.0.1:{PORT}/health").rc == 28
         assert host.check_output("pgrep -x vllm") == pid
-        _wait(lambda: "restarting after 2 failed probes" in _journal(host, t0, "-t", "sparkllm-watchdog"),
-              45, "the watchdog's restart")
+        wait_until(lambda: "restarting after 2 failed probes" in journal(host, t0, "-t", "sparkllm-watchdog"),
+                   45, "the watchdog's restart")
     finally:
         host.check_output(f"rm -f {WEDGE}")
-    log = _journal(host, t0, "-t", "sparkllm-watchdog")
+    log = journal(host, t0, "-t", "sparkllm-watchdog")
     assert re.search(rf"{UNIT}: probe failed \(1/2\): no answer \(TimeoutError", log), log
     assert f"{UNIT}: restarting after 2 failed probes (restart 1 of 2 allowed within 600s)" in log, log
-    _wait(lambda: _healthy(host), 60, "the restarted server's /health")
-    print(f"\nWATCHDOG FIGURE: wedged -> restarted -> healthy again in {_now(host) - t0} s")
-    assert _invocation(host) != before
+    wait_until(lambda: healthy(host, PORT), 60, "the restarted server's /health")
+    print(f"\nWATCHDOG FIGURE: wedged -> restarted -> healthy again in {host_now(host) - t0} s")
+    assert invocation(host, UNIT) != before
     assert host.check_output("pgrep -x vllm") != pid
 
 
 def test_a_server_that_stays_wedged_ends_in_a_clear_failed_state(host):
-    t0 = _now(host)
+    t0 = host_now(host)
     host.check_output(f"touch {WEDGE}")
     try:
-        _wait(lambda: "GAVE UP" in _journal(host, t0, "-t", "sparkllm-watchdog"), 90,
-              "the watchdog to give up")
-        log = _journal(host, t0, "-t", "sparkllm-watchdog")
+        wait_until(lambda: "GAVE UP" in journal(host, t0, "-t", "sparkllm-watchdog"), 90,
+                   "the watchdog to give up")
+        log = journal(host, t0, "-t", "sparkllm-watchdog")
         # one more restart (the second of two allowed), then the wedged new start is judged after its grace
         assert log.count("restarting after 2 failed probes") == 1, log
         assert "still loading" in log, log
         assert re.search(rf"{UNIT}: GAVE UP: unhealthy again after 2 restarts within 600s; stopping it and "
                          r"sparkllm-watchdog.timer .*systemctl reset-failed sparkllm-watchdog.service; "
                          rf"systemctl start {UNIT} sparkllm-watchdog.timer", log), log
-        _wait(lambda: not host.service(UNIT).is_running, 30, f"{UNIT} to stop")
-        print(f"\nWATCHDOG FIGURE: wedged for good -> gave up after {_now(host) - t0} s")
+        wait_until(lambda: not host.service(UNIT).is_running, 30, f"{UNIT} to stop")
+        print(f"\nWATCHDOG FIGURE: wedged for good -> gave up after {host_now(host) - t0} s")
         assert host.run("systemctl is-failed sparkllm-watchdog.service").stdout.strip() == "failed"
         assert host.run("systemctl is-active sparkllm-watchdog.timer").stdout.strip() == "inactive"
         # no restart storm: nothing starts the server again
-        t1 = _now(host)
+        t1 = host_now(host)
         time.sleep(8)
         assert not host.service(UNIT).is_running
-        assert "restarting" not in _journal(host, t1, "-t", "sparkllm-watchdog")
+        assert "restarting" not in journal(host, t1, "-t", "sparkllm-watchdog")
         state = json.loads(host.file("/var/lib/sparkllm-ops/watchdog.json").content_string)
         assert state["gave_up"] > 0 and len(state["restarts"]) == 2
     finally:

@@ -11,6 +11,8 @@ import json
 import re
 import time
 
+from host_probe import healthy, host_now, invocation, journal, wait_until
+
 PORT = 18471
 URL = f"http://127.0.0.1:{PORT}"
 MODEL = "qwen3.5-122b"  # vllm_served_model_name (group_vars)
@@ -23,30 +25,8 @@ PAUSE = "/run/sparkllm-ops/watchdog.pause"  # serve_watchdog_pause_file
 MAX_NUM_SEQS = 4  # group_vars: vllm_max_num_seqs, passed as --max-num-seqs
 
 
-def _now(host) -> int:
-    return int(host.check_output("date +%s"))
-
-
 def _journal(host, since: int) -> str:
-    return host.check_output(f"journalctl --no-pager -o cat --since @{since} -t sparkllm-watchdog")
-
-
-def _wait(pred, timeout: float, what: str, step: float = 0.5):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _healthy(host) -> bool:
-    return host.run(f"curl -sf --max-time 1 {URL}/health").rc == 0
-
-
-def _invocation(host) -> str:
-    return host.check_output(f"systemctl show -p InvocationID --value {UNIT}")
+    return journal(host, since, "-t", "sparkllm-watchdog")
 
 
 def _state(host) -> dict:
@@ -77,20 +57,20 @@ def test_the_watchdog_runs_again_and_judges_an_idle_server_by_one_token(host):
     host.run(f"rm -f {WEDGE} {ENGINE_WEDGE}")
     host.run("systemctl reset-failed sparkllm-watchdog.service")
     host.check_output(f"systemctl start {UNIT} sparkllm-watchdog.timer")
-    _wait(lambda: _healthy(host), 60, "the server's /health")
+    wait_until(lambda: healthy(host, PORT), 60, "the server's /health")
     # the serve stage removed its pause file when the switch ended
     assert not host.file(PAUSE).exists
     unit = host.file("/etc/systemd/system/sparkllm-watchdog.service").content_string
     assert "--stall 6 " in unit and f"--pause-file {PAUSE} " in unit and f"--api-key-file {KEY}" in unit
-    _wait(lambda: _state(host).get("last", {}).get("reason", "").startswith("idle; one-token probe answered"),
-          30, "an idle verdict from the one-token probe")
+    wait_until(lambda: _state(host).get("last", {}).get("reason", "").startswith(
+        "idle; one-token probe answered"), 30, "an idle verdict from the one-token probe")
 
 
 def test_max_num_seqs_long_requests_in_flight_are_never_restarted(host):
-    before, t0 = _invocation(host), _now(host)
+    before, t0 = invocation(host, UNIT), host_now(host)
     _load(host, MAX_NUM_SEQS + 1, 6000)  # ~60 s each at the stand-in's 10 ms a token
     try:
-        _wait(lambda: _gauges(host) == (MAX_NUM_SEQS, 1), 20, f"{MAX_NUM_SEQS} running and 1 waiting")
+        wait_until(lambda: _gauges(host) == (MAX_NUM_SEQS, 1), 20, f"{MAX_NUM_SEQS} running and 1 waiting")
         # as in vLLM: at max_num_seqs a one-token request waits in the queue (the old probe timed out here)
         assert _one_token(host, 3) == 28
         time.sleep(2)  # one more watchdog run: the last verdict is one made under this load
@@ -102,7 +82,7 @@ def test_max_num_seqs_long_requests_in_flight_are_never_restarted(host):
             time.sleep(1)
         log = _journal(host, t0)
         assert "probe failed" not in log and "restarting" not in log, log
-        assert _invocation(host) == before
+        assert invocation(host, UNIT) == before
         # ok: tokens advanced; busy: an idle probe sent as the load began waited, but tokens advanced
         assert ("ok", True) in seen and seen <= {("ok", True), ("busy", True)}, seen
         print(f"\nWATCHDOG FIGURE: {MAX_NUM_SEQS} long requests running + 1 waiting for 24 s: no failure, "
@@ -112,11 +92,11 @@ def test_max_num_seqs_long_requests_in_flight_are_never_restarted(host):
 
 
 def test_a_hung_engine_whose_health_says_200_is_restarted(host):
-    _wait(lambda: _gauges(host) == (0, 0), 20, "the load to end")
-    before, t0 = _invocation(host), _now(host)
+    wait_until(lambda: _gauges(host) == (0, 0), 20, "the load to end")
+    before, t0 = invocation(host, UNIT), host_now(host)
     _load(host, 2, 6000)
     try:
-        _wait(lambda: _gauges(host) == (2, 0), 20, "2 requests running")
+        wait_until(lambda: _gauges(host) == (2, 0), 20, "2 requests running")
         # the scenario has started this unit many times by now: clear systemd's start limit (5 in 600 s, the
         # unit's StartLimitBurst) so the restart under test is not refused by it
         host.run(f"systemctl reset-failed {UNIT}")
@@ -126,15 +106,16 @@ def test_a_hung_engine_whose_health_says_200_is_restarted(host):
             # vLLM's /health asks only whether the engine is dead: 200 while it hangs
             code = host.check_output(f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 2 {URL}/health")
             assert code == "200"
-            _wait(lambda: "restarting after 2 failed probes" in _journal(host, t0), 60,
-                  "the watchdog's restart")
+            wait_until(lambda: "restarting after 2 failed probes" in _journal(host, t0), 60,
+                       "the watchdog's restart")
             took = time.monotonic() - t_hang
         finally:
             host.run(f"rm -f {ENGINE_WEDGE}")
         log = _journal(host, t0)
         assert re.search(rf"{UNIT}: probe failed \(1/2\): stalled: 2 running, 0 waiting, no token generated "
                          r"for \d+ s", log), log
-        _wait(lambda: _healthy(host) and _invocation(host) != before, 120, "the restarted server")
+        wait_until(lambda: healthy(host, PORT) and invocation(host, UNIT) != before, 120,
+                   "the restarted server")
         assert _one_token(host, 10) == 0
         print(f"\nWATCHDOG FIGURE: engine hung with /health 200 -> restarted {took:.0f} s later")
     finally:
@@ -142,25 +123,25 @@ def test_a_hung_engine_whose_health_says_200_is_restarted(host):
 
 
 def test_a_rotated_key_is_one_clear_message_and_no_restart(host):
-    _wait(lambda: _state(host).get("last", {}).get("kind") == "ok", 90, "an ok verdict")
-    before, t0 = _invocation(host), _now(host)
+    wait_until(lambda: _state(host).get("last", {}).get("kind") == "ok", 90, "an ok verdict")
+    before, t0 = invocation(host, UNIT), host_now(host)
     host.check_output(f"cp {KEY} {KEY}.good && printf 'rotated-elsewhere\\n' > {KEY}")
     try:
-        _wait(lambda: "CONFIGURATION ERROR" in _journal(host, t0), 20, "the configuration message")
+        wait_until(lambda: "CONFIGURATION ERROR" in _journal(host, t0), 20, "the configuration message")
         time.sleep(8)  # four more runs: said once, nothing restarted
         log = _journal(host, t0)
         assert log.count("CONFIGURATION ERROR") == 1, log
         assert "refused the one-token probe (HTTP 401)" in log and "vllm_api_key_file" in log, log
         assert "rotated-elsewhere" not in log and "molecule-ops-key" not in log  # no key in the journal
         assert "restarting" not in log and "probe failed" not in log, log
-        assert _invocation(host) == before
+        assert invocation(host, UNIT) == before
     finally:
         host.check_output(f"mv {KEY}.good {KEY}")
-    _wait(lambda: "the configuration error is gone" in _journal(host, t0), 20, "the error to clear")
+    wait_until(lambda: "the configuration error is gone" in _journal(host, t0), 20, "the error to clear")
 
 
 def test_a_pause_file_stops_all_judging(host):
-    before, t0 = _invocation(host), _now(host)
+    before, t0 = invocation(host, UNIT), host_now(host)
     host.check_output(f"mkdir -p /run/sparkllm-ops && echo 'serve stage: switch to test' > {PAUSE}")
     host.check_output(f"touch {WEDGE}")
     try:
@@ -168,7 +149,7 @@ def test_a_pause_file_stops_all_judging(host):
         log = _journal(host, t0)
         assert log.count("paused while serve stage: switch to test runs") == 1, log
         assert "probe failed" not in log and "restarting" not in log, log
-        assert _invocation(host) == before
+        assert invocation(host, UNIT) == before
     finally:
         host.run(f"rm -f {WEDGE} {PAUSE}")
-    _wait(lambda: "pause ended" in _journal(host, t0), 20, "the pause to end")
+    wait_until(lambda: "pause ended" in _journal(host, t0), 20, "the pause to end")
