@@ -64,7 +64,8 @@ def _parser(version: str) -> argparse.ArgumentParser:
 
 
 def _aot_command() -> str:
-    return re.search(r"python3 /opt/sparkllm/flashinfer_aot\.py ([^;]*);", " ".join(DOCKERFILE.split())).group(1)
+    flat = " ".join(DOCKERFILE.split())
+    return re.search(r"python3 /opt/sparkllm/flashinfer_aot\.py ([^;]*);", flat).group(1)
 
 
 def test_the_dockerfile_passes_the_role_s_aot_arguments():
@@ -205,8 +206,8 @@ EXCLUDE = DEFAULTS["vllm_build_flashinfer_aot_exclude"]
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_driver_s_hook_is_the_release_s_own_module_list(version):
-    """flashinfer_aot.py wraps aot.gen_all_modules: main() must reach it through compile_and_package_modules by
-    its module-level name, and copy the modules that list holds (so a module left out is neither built nor
+    """flashinfer_aot.py wraps aot.gen_all_modules: main() must reach it through compile_and_package_modules
+    by its module-level name, and copy the modules that list holds (so a module left out is neither built nor
     copied); and aot.py's own options cannot leave out what the exclusions do."""
     src = _source(version, "flashinfer/aot.py")
     body = src.split("def compile_and_package_modules", 1)[1].split("\ndef ", 1)[0]
