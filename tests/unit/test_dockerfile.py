@@ -101,10 +101,11 @@ def test_dockerfile_renders_for_every_variant(variant, buildkit, install):
     text = rendered(variant, buildkit=buildkit, install=install)
     conf = VARIANTS[variant]
     assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
-        (ctx(variant)["vllm_build_base_image"], "base"), ("base", "build"),
+        (ctx(variant)["vllm_build_base_image"], "base"),
+        *([("base", "flashinfer_aot")] if conf["flashinfer_aot"] else []),
+        ("base", "build"),
         *([("base", "compile_log_copy"), ("scratch", "compile_log")]
           if buildkit and install == "source" else []),
-        *([("base", "flashinfer_aot")] if conf["flashinfer_aot"] else []),
         ("base", "runtime"), ("runtime", "patched")]
     build = text.split("FROM base AS build")[1].split("FROM base AS runtime")[0]
     if install == "source":
@@ -302,8 +303,15 @@ def test_flashinfer_kernels_are_built_in_a_stage_keyed_only_by_its_own_inputs(va
     JIT-compiles), before the patches."""
     c = ctx(variant)
     text = rendered(variant, install=install)
-    stage = text[text.index("FROM base AS flashinfer_aot"):text.index("FROM base AS runtime")]
+    stage = text[text.index("FROM base AS flashinfer_aot"):text.index("FROM base AS build")]
     assert "--from=" not in stage and "runtime.txt" not in stage and "/opt/sparkllm/wheels" not in stage
+    # the compile waits for it through a constant file (order, not content: no cache dependency)
+    build = text[text.index("FROM base AS build"):text.index("FROM base AS runtime")]
+    order = "COPY --from=flashinfer_aot /opt/sparkllm/flashinfer-aot.order /opt/sparkllm/flashinfer-aot.order"
+    assert (order in build) is (install == "source")
+    assert "echo sparkllm > /opt/sparkllm/flashinfer-aot.order" in stage
+    if install == "source":
+        assert build.index(order) < build.index("pip wheel")
     assert re.findall(r"(?m)^COPY (\S+)", stage) == ["lock/flashinfer.txt", "flashinfer_aot.py"]
     runtime = text[text.index("FROM base AS runtime"):text.index("FROM runtime AS patched")]
     copy = ("COPY --from=flashinfer_aot /opt/sparkllm/flashinfer-aot "
