@@ -18,7 +18,7 @@ $(foreach v,$(USER_VARS),$(eval override $(v) := $$(value $(v))))
 export $(USER_VARS) BIN
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image \
+.PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image lock \
         bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash gpu-dflash-graph \
         gpu-shared-experts gpu-proxy clean
 
@@ -61,6 +61,10 @@ contract: setup contract-env
 
 testhost-image:
 	bash tests/harness/build_testhost_image.sh
+
+# the vLLM images' locks of the whole Python set (roles/vllm_build/files/locks; needs PyPI, ~10 min cold)
+lock: setup  ## refresh the image locks after changing spark_vllm_variants
+	$(BIN)/python scripts/image_lock.py
 
 # scenarios run MOLECULE_JOBS at a time (default 2); logs in .cache/molecule/
 molecule: setup testhost-image

@@ -64,13 +64,17 @@ def _parser(version: str) -> argparse.ArgumentParser:
 
 
 def _aot_command() -> str:
-    return re.search(r"python3 -m flashinfer\.aot ([^;]*);", " ".join(DOCKERFILE.split())).group(1)
+    flat = " ".join(DOCKERFILE.split())
+    return re.search(r"python3 /opt/sparkllm/flashinfer_aot\.py ([^;]*);", flat).group(1)
 
 
 def test_the_dockerfile_passes_the_role_s_aot_arguments():
     cmd = _aot_command()
-    assert cmd.startswith('--out-dir "$site/flashinfer/data/aot" --build-dir /tmp/flashinfer-aot ')
+    assert cmd.startswith("--out-dir /opt/sparkllm/flashinfer-aot --build-dir /tmp/flashinfer-aot ")
     assert "{{ vllm_build_flashinfer_aot_args | join(' ') }}" in cmd
+    # its own stage's output lands where the installed package looks (test below: <package>/data/aot)
+    copy = "COPY --from=flashinfer_aot /opt/sparkllm/flashinfer-aot {{ _site }}/flashinfer/data/aot"
+    assert copy in DOCKERFILE
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -194,3 +198,54 @@ def test_verbose_jit_logs_are_not_debug_builds(version):
     env = _serve_container_env()
     assert env.get("FLASHINFER_JIT_VERBOSE") == "1"
     assert _jit_debug(version, env) is False, env
+
+
+DRIVER = ROOT / "roles/vllm_build/files/flashinfer_aot.py"
+EXCLUDE = DEFAULTS["vllm_build_flashinfer_aot_exclude"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_driver_s_hook_is_the_release_s_own_module_list(version):
+    """flashinfer_aot.py wraps aot.gen_all_modules: main() must reach it through compile_and_package_modules
+    by its module-level name, and copy the modules that list holds (so a module left out is neither built nor
+    copied); and aot.py's own options cannot leave out what the exclusions do."""
+    src = _source(version, "flashinfer/aot.py")
+    body = src.split("def compile_and_package_modules", 1)[1].split("\ndef ", 1)[0]
+    assert "jit_specs = gen_all_modules(" in body
+    assert "build_jit_specs(jit_specs" in body and "copy_built_kernels(jit_specs, out_dir)" in body
+    assert "compile_and_package_modules(" in src.split("def main", 1)[1]
+    assert "if args.f8_dtype:" in src  # `--f8-dtype` with no value keeps the FP8-KV default
+    assert "yield gen_batch_mla_module(" in src.split("def gen_attention", 1)[1].split("\ndef ", 1)[0]
+
+
+def test_the_driver_leaves_out_only_the_excluded_modules(monkeypatch, capsys, tmp_path):
+    """Run for real against the FlashInfer installed in the contract env (vLLM 0.19.1's 0.6.6), with the
+    build and the copy replaced by recorders: the role's arguments and exclusions give 27 of 55 modules."""
+    # FlashInfer's compilation context reads the arch list when flashinfer.jit is first imported
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", DEFAULTS["vllm_build_cuda_arch_list"])
+    aot = pytest.importorskip("flashinfer.aot")
+    from importlib.metadata import version as dist_version
+
+    if dist_version("flashinfer-python") != str(VARIANTS["v0_19_1"]["toolchain"]["flashinfer-python"]):
+        pytest.skip("the contract env's FlashInfer is not v0_19_1's")
+    built: list[str] = []
+    monkeypatch.setattr(aot, "build_jit_specs", lambda specs, **kw: built.extend(s.name for s in specs))
+    monkeypatch.setattr(aot, "copy_built_kernels", lambda specs, out: None)
+    monkeypatch.setattr(aot, "detect_sm_capabilities", lambda: {"sm121": True})
+    # the source layout beside the package, linked as the image's step links it (project_root = parents[1])
+    data = Path(aot.__file__).resolve().parent / "data"
+    for link, target in _links().items():
+        (tmp_path / link).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / link).symlink_to(data / Path(target).name)
+    monkeypatch.setattr(aot, "__file__", str(tmp_path / "flashinfer" / "aot.py"))
+    monkeypatch.setenv("SPARKLLM_FLASHINFER_AOT_EXCLUDE", " ".join(EXCLUDE))
+    monkeypatch.setattr("sys.argv", ["flashinfer_aot.py", "--out-dir", "/nonexistent", *AOT_ARGS])
+    scope: dict = {"__name__": "sparkllm_flashinfer_aot"}
+    exec(compile(DRIVER.read_text(), str(DRIVER), "exec"), scope)  # noqa: S102 - our own driver
+    monkeypatch.setattr(aot, "gen_all_modules", aot.gen_all_modules)  # undone after the test: main() wraps it
+    assert scope["main"]() == 0
+    said = capsys.readouterr().out
+    assert "sparkllm: FlashInfer AOT: 27 of 55 modules; left to the JIT: 28" in said
+    assert len(built) == 27 and not [n for n in built if any(re.search(p, n) for p in EXCLUDE)]
+    assert "norm" in built and "sampling" in built  # what vLLM 0.19.1 calls beside attention
+    assert any(n.startswith("batch_decode_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_") for n in built)

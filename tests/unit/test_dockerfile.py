@@ -24,6 +24,20 @@ HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadoli
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
+LOCKS = ROLE / "files" / "locks"
+
+
+def lock_files(variant: str, from_source: bool, flashinfer: bool = True) -> dict[str, str]:
+    """What build.yml reads as _vllm_build_lock: {stage key: file content} of the stages the build runs."""
+    stems = {"base": "base", "base-index": "base-index",
+             "runtime": "runtime-source" if from_source else "runtime-wheel"}
+    if from_source:
+        stems["build"] = "build"
+    if flashinfer:
+        stems["flashinfer"] = "flashinfer"
+    return {key: (LOCKS / variant / f"{stem}.txt").read_text() for key, stem in stems.items()}
+
+
 def ctx(variant: str, buildkit: bool = True, **override) -> dict:
     """What build.yml renders the template with: the role defaults, the variant as variant.yml settles it."""
     c = defaults("vllm_build")
@@ -37,6 +51,8 @@ def ctx(variant: str, buildkit: bool = True, **override) -> dict:
 def rendered(variant: str, vllm_build_from_source: bool = False, **kw) -> str:
     c = ctx(variant, **kw)
     c["vllm_build_from_source"] = vllm_build_from_source
+    source = vllm_build_from_source or c["_vllm_build_cfg"].get("install", "source") == "source"
+    c["_vllm_build_lock"] = lock_files(variant, source, c["_vllm_build_cfg"].get("flashinfer_aot", True))
     return render("Dockerfile.j2", **c)
 
 
@@ -85,7 +101,9 @@ def test_dockerfile_renders_for_every_variant(variant, buildkit, install):
     text = rendered(variant, buildkit=buildkit, install=install)
     conf = VARIANTS[variant]
     assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
-        (ctx(variant)["vllm_build_base_image"], "base"), ("base", "build"),
+        (ctx(variant)["vllm_build_base_image"], "base"),
+        *([("base", "flashinfer_aot")] if conf["flashinfer_aot"] else []),
+        ("base", "build"),
         *([("base", "compile_log_copy"), ("scratch", "compile_log")]
           if buildkit and install == "source" else []),
         ("base", "runtime"), ("runtime", "patched")]
@@ -110,7 +128,8 @@ def test_each_variant_installs_its_own_release_s_build_requirements(variant):
     tests/contract/test_build_arch_contract.py checks each path exists in that release's sdist."""
     text = rendered(variant, install="source")
     reqs = VARIANTS[variant]["build_requirements"]
-    assert re.search(r"pip install((?: -r \S+)+) \\", text).group(1).split(" -r ")[1:] == reqs
+    found = re.search(r"pip install --no-index --dry-run((?: -r \S+)+) \\", text).group(1)
+    assert found.split(" -r ")[1:] == reqs
     other = rendered(variant, install="source", build_requirements=["requirements/build.txt"])
     assert ("-r requirements/build.txt" in other) and (other != text or reqs == ["requirements/build.txt"])
 
@@ -244,15 +263,18 @@ def test_the_compile_keeps_its_whole_log_and_ends_with_its_tail(buildkit):
     assert "CCACHE_MAXSIZE=20G" in text
 
 
-def _aot_run(text: str) -> str:
-    """The FlashInfer AOT RUN instruction of a rendered Dockerfile, as the shell command it runs."""
-    start = text.index('RUN site=$(python3 -c "import sysconfig')
+def _aot_run(text: str, opt: Path | None = None) -> str:
+    """The FlashInfer stage's RUN instruction of a rendered Dockerfile, as the shell command it runs
+    (``opt`` stands in for /opt/sparkllm, so a test runs it in a temporary directory)."""
+    stage = text[text.index("FROM base AS flashinfer_aot"):]
+    start = stage.index("RUN t0=$(date +%s)")
     parts = []
-    for line in text[start + 4:].splitlines():  # Docker joins a line ending in a backslash with the next
+    for line in stage[start + 4:].splitlines():  # Docker joins a line ending in a backslash with the next
         parts.append(line[:-1] if line.endswith("\\") else line)
         if not line.endswith("\\"):
             break
-    return "".join(parts)
+    cmd = "".join(parts)
+    return cmd.replace("/opt/sparkllm", str(opt)) if opt else cmd
 
 
 def _serves_flashinfer(variant: str) -> bool:
@@ -268,49 +290,97 @@ def test_flashinfer_aot_follows_the_attention_backends_the_variant_serves(varian
     assert VARIANTS[variant]["flashinfer_aot"] is _serves_flashinfer(variant)
     for install in INSTALLS:
         text = rendered(variant, install=install)
-        assert ("python3 -m flashinfer.aot" in text) is _serves_flashinfer(variant)
+        assert ("python3 /opt/sparkllm/flashinfer_aot.py" in text) is _serves_flashinfer(variant)
+        assert ("FROM base AS flashinfer_aot" in text) is _serves_flashinfer(variant)
 
 
 @pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if _serves_flashinfer(v)))
 @pytest.mark.parametrize("install", INSTALLS)
-def test_flashinfer_kernels_are_built_ahead_of_time_in_the_runtime_stage(variant, install):
-    """Issue 22 item 4: FlashInfer's own AOT build for the arch list, after vLLM (and so FlashInfer) is
-    installed, into flashinfer/data/aot (where FlashInfer looks before it JIT-compiles), before the
-    patches."""
+def test_flashinfer_kernels_are_built_in_a_stage_keyed_only_by_its_own_inputs(variant, install):
+    """Issue 33 item 4: the AOT build runs in its own stage FROM base, with its own lock file, so nothing of
+    the runtime stage (vLLM wheel, runtime lock, Ray) is among its inputs: a runtime rebuild takes it from the
+    layer cache. The runtime copies its output to flashinfer/data/aot (where FlashInfer looks before it
+    JIT-compiles), before the patches."""
     c = ctx(variant)
     text = rendered(variant, install=install)
+    stage = text[text.index("FROM base AS flashinfer_aot"):text.index("FROM base AS build")]
+    assert "--from=" not in stage and "runtime.txt" not in stage and "/opt/sparkllm/wheels" not in stage
+    # the compile waits for it through a constant file (order, not content: no cache dependency)
+    build = text[text.index("FROM base AS build"):text.index("FROM base AS runtime")]
+    order = "COPY --from=flashinfer_aot /opt/sparkllm/flashinfer-aot.order /opt/sparkllm/flashinfer-aot.order"
+    assert (order in build) is (install == "source")
+    assert "echo sparkllm > /opt/sparkllm/flashinfer-aot.order" in stage
+    if install == "source":
+        assert build.index(order) < build.index("pip wheel")
+    assert re.findall(r"(?m)^COPY (\S+)", stage) == ["lock/flashinfer.txt", "flashinfer_aot.py"]
     runtime = text[text.index("FROM base AS runtime"):text.index("FROM runtime AS patched")]
-    aot = runtime.index("python3 -m flashinfer.aot")
-    assert runtime.index("pip install /opt/sparkllm/wheels/vllm-*.whl") < aot
+    copy = ("COPY --from=flashinfer_aot /opt/sparkllm/flashinfer-aot "
+            "/opt/venv/lib/python3.12/site-packages/flashinfer/data/aot")
+    assert runtime.index("pip install --no-deps /opt/sparkllm/wheels/vllm-*.whl") < runtime.index(copy)
     base = text.split("FROM base AS build")[0]
     assert f"FLASHINFER_CUDA_ARCH_LIST={c['vllm_build_cuda_arch_list']}" in base
     cmd = _aot_run(text)
-    want = ('python3 -m flashinfer.aot --out-dir "$site/flashinfer/data/aot" --build-dir /tmp/flashinfer-aot '
-            f"{' '.join(c['vllm_build_flashinfer_aot_args'])};")
+    want = ("python3 /opt/sparkllm/flashinfer_aot.py --out-dir /opt/sparkllm/flashinfer-aot "
+            f"--build-dir /tmp/flashinfer-aot {' '.join(c['vllm_build_flashinfer_aot_args'])};")
     assert want in " ".join(cmd.split())
-    assert "MAX_JOBS=${MAX_JOBS}" in cmd and "ARG MAX_JOBS=1" in runtime
+    assert f'SPARKLLM_FLASHINFER_AOT_EXCLUDE="{" ".join(c["vllm_build_flashinfer_aot_exclude"])}"' in cmd
+    assert "MAX_JOBS=${MAX_JOBS}" in cmd and "ARG MAX_JOBS=1" in stage
+    # a change of the runtime set leaves every earlier stage's text (and so its cache key) alone
+    other = {**lock_files(variant, from_source(variant, install)), "runtime": "# another runtime set\n"}
+    c2 = {**ctx(variant, install=install), "vllm_build_from_source": False, "_vllm_build_lock": other}
+    before = text.split("FROM base AS runtime")[0]
+    assert render("Dockerfile.j2", **c2).split("FROM base AS runtime")[0] == before
     off = {**ctx(variant, install=install), "vllm_build_from_source": False,
-           "vllm_build_flashinfer_aot": False}
-    assert "flashinfer.aot" not in render("Dockerfile.j2", **off)
+           "vllm_build_flashinfer_aot": False, "_vllm_build_lock": lock_files(variant, True, False)}
+    assert "FROM base AS flashinfer_aot" not in render("Dockerfile.j2", **off)
 
 
-def _fake_python(tmp_path: Path, site: Path, rc: int) -> dict:
-    """A python3 on PATH: prints `site` for sysconfig, and as `-m flashinfer.aot` checks that the source-tree
-    layout aot.py reads resolves into flashinfer/data, writes one module into --out-dir, exits `rc`."""
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if _serves_flashinfer(v)))
+def test_the_jit_cache_knob_downloads_the_published_wheel_with_the_aot_build_as_fallback(variant):
+    c = ctx(variant)
+    c["vllm_build_flashinfer_kernels"] = "jit_cache"
+    c["vllm_build_from_source"] = False
+    c["_vllm_build_lock"] = lock_files(variant, from_source(variant))
+    text = render("Dockerfile.j2", **c)
+    cmd = " ".join(_aot_run(text).split())
+    index, cuda = c["vllm_build_flashinfer_jit_cache_index_url"], c["vllm_build_flashinfer_jit_cache_cuda"]
+    assert f'--index-url {index} "flashinfer-jit-cache==${{fi_version}}+{cuda}"' in cmd
+    assert cmd.index("pip download") < cmd.index("flashinfer_aot.py --out-dir")  # the AOT build: the fallback
+    runtime = text[text.index("FROM base AS runtime"):text.index("FROM runtime AS patched")]
+    assert "pip install --no-deps /opt/sparkllm/flashinfer-jit-cache/*.whl" in runtime
+    assert "pip download" not in _aot_run(rendered(variant))  # aot, the default, never asks that index
+
+
+def _fake_tools(tmp_path: Path, site: Path, rc: int, jit_cache_rc: int = 1) -> dict:
+    """python3 and pip on PATH. python3: prints `site` for sysconfig and the version for importlib, passes the
+    lock check, and as `-m flashinfer.aot` checks that the source-tree layout aot.py reads resolves into
+    flashinfer/data, writes one module into --out-dir, exits `rc`. pip: `download` exits `jit_cache_rc`
+    (writing a wheel when 0), anything else 0."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    script = bindir / "python3"
-    script.write_text(f"""#!/bin/bash
-if [ "$1" = -c ]; then echo "{site}"; exit 0; fi
-[ "$1 $2" = "-m flashinfer.aot" ] || exit 99
+    (bindir / "python3").write_text(f"""#!/bin/bash
+case "$1" in
+  -c) case "$2" in *sysconfig*) echo "{site}";; *) echo "0.6.6";; esac; exit 0;;
+  */flashinfer_aot.py) ;;
+  *) exit 0;;
+esac
+[ "$2" = --out-dir ] || exit 99
 for p in csrc/x.cu include/x.h 3rdparty/cutlass/include/x.h 3rdparty/spdlog/include/x.h; do
   [ -f "{site}/$p" ] || {{ echo "missing $p" >&2; exit 98; }}
 done
-mkdir -p "$4/spec" && touch "$4/spec/spec.so"
-echo "jobs=$MAX_JOBS"
+mkdir -p "$3/spec" && touch "$3/spec/spec.so"
+echo "jobs=$MAX_JOBS exclude=$SPARKLLM_FLASHINFER_AOT_EXCLUDE"
 exit {rc}
 """)
-    script.chmod(0o755)
+    (bindir / "pip").write_text(f"""#!/bin/bash
+if [ "$1" = download ]; then
+  [ {jit_cache_rc} -eq 0 ] && touch "$5/flashinfer_jit_cache-0.6.6+cu130-cp39-abi3-manylinux_2_28_aarch64.whl"
+  exit {jit_cache_rc}
+fi
+exit 0
+""")
+    for tool in ("python3", "pip"):
+        (bindir / tool).chmod(0o755)
     data = site / "flashinfer" / "data"
     for p in ("csrc/x.cu", "include/x.h", "cutlass/include/x.h", "spdlog/include/x.h"):
         (data / p).parent.mkdir(parents=True, exist_ok=True)
@@ -318,28 +388,52 @@ exit {rc}
     return {"PATH": f"{bindir}:/usr/bin:/bin", "MAX_JOBS": "6"}
 
 
+def _run_stage(text: str, tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    opt = tmp_path / "opt"
+    return subprocess.run(["bash", "-o", "pipefail", "-c", _aot_run(text, opt)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, check=False)
+
+
 @pytest.mark.parametrize("rc", [0, 3])
-def test_the_aot_step_builds_into_the_package_and_removes_only_its_links(tmp_path, rc):
+def test_the_aot_step_builds_its_modules_and_removes_only_its_links(tmp_path, rc):
     site = tmp_path / "site-packages"
-    env = _fake_python(tmp_path, site, rc)
-    res = subprocess.run(["bash", "-o", "pipefail", "-c", _aot_run(rendered("v0_19_1"))], env=env,
-                         capture_output=True, text=True, check=False)
+    env = _fake_tools(tmp_path, site, rc)
+    res = _run_stage(rendered("v0_19_1"), tmp_path, env)
     assert res.returncode == rc, res.stdout + res.stderr
     assert sorted(p.name for p in site.iterdir()) == ["flashinfer"]  # the links are gone either way
     assert (site / "flashinfer" / "data" / "csrc" / "x.cu").is_file()  # their targets are not
     if rc == 0:
-        assert "jobs=6" in res.stdout and "FlashInfer AOT: 1 modules for 12.1a" in res.stdout
+        assert "jobs=6 exclude=_dtype_kv_e4m3_ ^batch_mla_ ^selective_state_update_" in res.stdout
+        assert "FlashInfer AOT: 1 modules for 12.1a" in res.stdout
+        assert (tmp_path / "opt" / "flashinfer-aot" / "spec" / "spec.so").is_file()
+        assert re.search(r"SPARKLLM-PHASE flashinfer-kernels \d+s", res.stdout)
     else:
         assert f"SPARKLLM-FLASHINFER-AOT-FAILED: python -m flashinfer.aot rc={rc}" in res.stderr
 
 
+@pytest.mark.parametrize("jit_cache_rc", [0, 1])
+def test_the_jit_cache_step_takes_the_wheel_or_falls_back_to_the_aot_build(tmp_path, jit_cache_rc):
+    site = tmp_path / "site-packages"
+    env = _fake_tools(tmp_path, site, 0, jit_cache_rc)
+    c = ctx("v0_19_1")
+    c.update(vllm_build_flashinfer_kernels="jit_cache", vllm_build_from_source=False,
+             _vllm_build_lock=lock_files("v0_19_1", True))
+    res = _run_stage(render("Dockerfile.j2", **c), tmp_path, env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    wheels = list((tmp_path / "opt" / "flashinfer-jit-cache").iterdir())
+    modules = list((tmp_path / "opt" / "flashinfer-aot").rglob("*.so"))
+    if jit_cache_rc == 0:
+        assert len(wheels) == 1 and modules == [] and "jobs=" not in res.stdout
+    else:
+        assert wheels == [] and len(modules) == 1 and "FlashInfer's AOT build instead" in res.stdout
+
+
 def test_the_aot_step_refuses_a_site_packages_entry_it_did_not_create(tmp_path):
     site = tmp_path / "site-packages"
-    env = _fake_python(tmp_path, site, 0)
+    env = _fake_tools(tmp_path, site, 0)
     (site / "include").mkdir()
     (site / "include" / "theirs.h").write_text("kept")
-    res = subprocess.run(["bash", "-o", "pipefail", "-c", _aot_run(rendered("v0_19_1"))], env=env,
-                         capture_output=True, text=True, check=False)
+    res = _run_stage(rendered("v0_19_1"), tmp_path, env)
     assert res.returncode == 1 and "include exists, not ours to replace" in res.stderr
     assert (site / "include" / "theirs.h").read_text() == "kept"
     assert not (site / "csrc").exists()

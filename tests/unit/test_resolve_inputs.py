@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_dockerfile import VARIANTS, constraints, rendered
+from test_dockerfile import LOCKS, VARIANTS, constraints, rendered
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "contract"))
@@ -25,12 +25,16 @@ def test_the_resolver_uses_the_constraints_file_the_role_writes(variant):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_the_resolver_installs_what_the_dockerfile_installs(variant):
+    """The base stage installs the lock's base files (scripts/image_lock.py resolves them from the resolver's
+    base names); the runtime stage proves the resolver's extras are met from what it installed."""
     text = rendered(variant)
     stage = text.split("FROM base AS build")[0]
-    installs = re.findall(r"&& pip install ((?:[\w.-]+ )+)\\", stage)
-    (base,) = [m.split() for m in installs if not m.startswith("--")]
-    assert rr.base_names(VARIANTS[variant]) == base
-    runtime = re.search(r"RUN pip install /opt/sparkllm/wheels/vllm-\*\.whl (.*) \\", text).group(1)
+    assert "pip install --no-deps --require-hashes -r /opt/sparkllm/lock/base.txt" in stage
+    locked = {line.split("==")[0] for stem in ("base", "base-index")
+              for line in (LOCKS / variant / f"{stem}.txt").read_text().splitlines() if "==" in line}
+    assert set(rr.base_names(VARIANTS[variant])) <= locked
+    runtime_stage = text.split("FROM base AS runtime")[1]
+    runtime = re.search(r"pip install --no-index --dry-run (.*) \\", runtime_stage).group(1)
     assert runtime.split() == rr.RUNTIME_EXTRAS
     assert shlex.split(runtime) == [e.strip('"') for e in rr.RUNTIME_EXTRAS]
     if VARIANTS[variant].get("install") == "wheel":

@@ -106,6 +106,11 @@ def test_build_log_shows_the_build_and_memory_derived_jobs(host):
     assert "sh /opt/sparkllm/apply_patches.sh /opt/sparkllm/patches /opt/fakepy" in text
     assert text.index("stand-in compile") < text.index("apply_patches.sh /opt/sparkllm/patches")
     assert "# sparkllm-image-build finished rc=0" in text
+    # issue 33: the wrapper ends the log with the phases and their elapsed time (the stand-in prints only
+    # its compile's; the other phases are the real Dockerfile's)
+    assert re.search(r"(?m)^# phase compile: \d+s$", text)
+    assert re.search(r"(?m)^# phase base-python: cached or not in this build$", text)
+    assert re.search(r"(?m)^# phase total: \d+s$", text)
     facts = host.ansible("setup", "gather_subset=!all,!min,hardware")["ansible_facts"]
     jobs = _fact(host)["variants"]["v0_19_1"]["jobs"]  # what the role computed from MemAvailable then
     assert jobs["nvcc_threads"] == 1  # one architecture: nvcc --threads has nothing to run in parallel
@@ -140,6 +145,34 @@ def test_build_context_pins_the_toolchain_and_carries_the_series(host):
         assert pin in constraints
     assert host.file(f"{ctx}/patches/series").content_string.split() == ["0001-route-fp8-layers.patch"]
     assert "TORCH_CUDA_ARCH_LIST=12.1a" in host.file(f"{ctx}/Dockerfile").content_string
+
+
+def test_build_context_carries_the_variant_s_lock_for_the_stages_it_runs(host):
+    """Issue 33: the role writes the lock files of the stages this build runs (source: build and
+    runtime-source; v0_19_1 serves FlashInfer attention: flashinfer) and the scripts that use them."""
+    ctx = "/var/lib/sparkllm/build/v0_19_1"
+    locks = PROJECT / "roles" / "vllm_build" / "files" / "locks" / "v0_19_1"
+    for dest, src in (("base", "base"), ("base-index", "base-index"), ("build", "build"),
+                      ("runtime", "runtime-source"), ("flashinfer", "flashinfer")):
+        assert host.file(f"{ctx}/lock/{dest}.txt").content_string == (locks / f"{src}.txt").read_text(), dest
+    assert not host.file(f"{ctx}/lock/runtime-wheel.txt").exists
+    for script in ("lock_check.py", "flashinfer_aot.py"):
+        have = host.file(f"{ctx}/{script}").content_string
+        assert have == (PROJECT / "roles" / "vllm_build" / "files" / script).read_text()
+    image = _fact(host)["variants"]["v0_19_1"]["image"]
+    inside = host.check_output("docker run --rm --network none %s cat /opt/sparkllm/lock/runtime.txt", image)
+    assert inside.strip() == (locks / "runtime-source.txt").read_text().strip()
+
+
+def test_a_variant_without_a_lock_is_refused_before_building(host, tmp_path):
+    empty = tmp_path / "locks"
+    empty.mkdir()
+    fact_before = host.file(FACT).content_string
+    res = _build({"vllm_build_locks_dir": str(empty), "spark_stage_force": True})
+    assert res.rc != 0
+    assert "No lock for v0_19_1" in _flat(res.output) and "run `make lock`" in _flat(res.output)
+    assert "TASK [vllm_build : Build in the background" not in res.output
+    assert host.file(FACT).content_string == fact_before
 
 
 def test_compiler_cache_mount_only_where_buildkit_is(host):
