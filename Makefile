@@ -39,8 +39,9 @@ check: setup  ## dry run of deploy (check mode, diff)
 	$(BIN)/python scripts/make_run.py check
 
 # --- tests -----------------------------------------------------------------
-# unit alone, then the molecule scenarios in the background with lint and contract beside them at a lower
-# CPU priority (tests/harness/test_all.sh says why); the targets below run each suite on its own
+# the timed unit tests alone, then the molecule scenarios in the background with the other unit tests, lint
+# and contract beside them at a lower CPU priority (tests/harness/test_all.sh says why); the targets below
+# run each suite on its own
 test: setup testhost-image  ## everything CI runs
 	bash tests/harness/test_all.sh
 

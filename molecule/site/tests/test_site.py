@@ -147,19 +147,22 @@ def test_switch_to_ngram(host):
     assert _models() == ["qwen3.5-122b"]
     env = host.file("/etc/sparkllm/serve/ngram.env").content_string
     assert '\\"method\\":\\"ngram\\"' in env
-    labels = sorted(r["label"] for r in _runs())
-    assert labels == ["mtp-k2", "ngram-k5"]
+    runs = _runs()
+    assert sorted(r["label"] for r in runs) == ["mtp-k2", "ngram-k5"]
     assert "ngram-k5" in (RESULTS / "report" / "report.md").read_text()
+    # the host remembers both measured cells (mtp's is found again when it comes back: the restore
+    # phase's last rerun, back on the stand-in image, measures nothing)
+    cells = _json_file(host, "/etc/ansible/facts.d/spark_bench.fact")["cells"]
+    assert sorted(cells.values()) == sorted(r["run_id"] for r in runs), cells
 
 
 @fresh
-def test_back_to_mtp_for_the_wipe(host):
-    """The configuration the restore must bring back is the one converge.yml applies: mtp."""
-    res = run_playbook("site.yml", {"spec_method": "mtp"})
-    assert res.rc == 0, res.output[-4000:]
-    assert _active_units(host) == {"sparkllm-vllm-mtp.service"}
-    assert len(_runs()) == 2, "mtp was measured already: no new run"
-    (ROOT / "results-before-wipe.json").write_text(json.dumps(_store_rows()))
+def test_the_results_before_the_wipe_are_recorded(host):
+    """The wipe follows the switch: no third run to put mtp back first. The configuration the restore
+    must bring back is the one converge.yml applies (mtp), as a user's deploy after a reinstall would."""
+    rows = _store_rows()
+    assert sorted(r[1] for r in rows) == ["mtp-k2", "ngram-k5"], rows
+    (ROOT / "results-before-wipe.json").write_text(json.dumps(rows))
     MARKER.write_text("restore-pending\n")
 
 
@@ -176,8 +179,8 @@ def test_restore_brings_back_the_same_server(host):
 def test_restore_lost_nothing_and_duplicated_nothing(host):
     """Every run recorded before the wipe is still there, unchanged. The restore rebuilt the image (the
     PROVISION FIGURE's slowed build, converge.yml), so its server is a new one: mtp was measured once more,
-    on the new image and the same model. The same image would not have been measured again (the fresh
-    phase's return to mtp checks that)."""
+    on the new image and the same model. The same image would not have been measured again (the last
+    rerun, back on the fresh phase's stand-in image, checks that)."""
     before = [tuple(r) for r in json.loads((ROOT / "results-before-wipe.json").read_text())]
     after = _store_rows()
     assert after[: len(before)] == before
@@ -333,8 +336,15 @@ def test_a_failed_build_stops_the_download_beside_it(host):
 
 @restore
 def test_the_rerun_after_both_failures_resumes_and_serves(host):
+    """The rerun resumes the download and serves mtp on the stand-in image again (host_vars' pull path):
+    that configuration was measured in the fresh phase, before the switch to ngram and the wipe, so the
+    controller's store names that run and nothing is measured again."""
+    runs_before = sorted(r["run_id"] for r in _runs())
     res = run_playbook("site.yml", {"spec_method": "mtp"})
     assert res.rc == 0, res.output[-4000:]
+    words = " ".join(res.output.split())
+    assert "repetition 0 with this configuration was already measured" in words, res.output[-4000:]
+    assert sorted(r["run_id"] for r in _runs()) == runs_before
     status = _json_file(host, f"{JOB}/status.json")
     assert status["state"] == "done", status
     # the FP8 extract verified before the stop was not copied again; the INT4 shards were
