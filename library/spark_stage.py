@@ -1,16 +1,25 @@
 #!/usr/bin/python
-"""Ansible module: the per-stage records of site.yml on a host (probe them all, or record one)."""
+"""Ansible module: the per-stage records of site.yml on a host (probe them all, or record one).
+
+The logic is scripts/sparkllm/stage.py (shipped as ansible.module_utils.sparkllm.stage), the one
+implementation of the stage shortcut; this file is its Ansible interface."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import secrets
-import tempfile
 from datetime import UTC, datetime
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.sparkllm.stage import (
+    FACT,
+    OUTPUT_KINDS,
+    observe,
+    observed_digest,
+    probe,
+    read_fact,
+    write_fact,
+)
 
 DOCUMENTATION = r"""
 ---
@@ -88,122 +97,6 @@ entry:
   type: dict
 """
 
-FACT = "spark_stage.fact"
-OUTPUT_KINDS = ("files", "dirs", "images", "units", "boot")
-HASH_LIMIT = 64 * 1024 * 1024  # larger files are observed by size and mtime, not read
-
-
-def _read(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _file(path: str):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    if st.st_size > HASH_LIMIT:
-        return f"size={st.st_size} mtime={st.st_mtime_ns}"
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _dir(path: str):
-    if not os.path.isdir(path):
-        return None
-    h = hashlib.sha256()
-    count = 0
-    for base, dirs, files in os.walk(path):
-        dirs.sort()
-        for name in sorted(files):
-            full = os.path.join(base, name)
-            try:
-                st = os.lstat(full)
-            except OSError:
-                continue
-            h.update(f"{os.path.relpath(full, path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-            count += 1
-    return f"{count} files {h.hexdigest()}"
-
-
-def _image(module: AnsibleModule, docker: str | None, name: str):
-    if not docker:
-        return None
-    rc, out, _ = module.run_command([docker, "image", "inspect", "--format", "{{.Id}}", name])
-    return out.strip() if rc == 0 and out.strip() else None
-
-
-def _unit(module: AnsibleModule, systemctl: str | None, name: str):
-    if not systemctl:
-        return None
-    _, out, _ = module.run_command([systemctl, "is-active", name])
-    return out.strip() or "unknown"
-
-
-def _boot():
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def observe(module: AnsibleModule, outputs: dict) -> dict:
-    docker = module.get_bin_path("docker") if outputs.get("images") else None
-    systemctl = module.get_bin_path("systemctl") if outputs.get("units") else None
-    seen: dict = {}
-    for path in outputs.get("files") or []:
-        seen[f"file {path}"] = _file(path)
-    for path in outputs.get("dirs") or []:
-        seen[f"dir {path}"] = _dir(path)
-    for name in outputs.get("images") or []:
-        seen[f"image {name}"] = _image(module, docker, name)
-    for name in outputs.get("units") or []:
-        seen[f"unit {name}"] = _unit(module, systemctl, name)
-    if outputs.get("boot"):
-        seen["boot"] = _boot()
-    return seen
-
-
-def _digest(seen: dict) -> str:
-    return hashlib.sha256(json.dumps(seen, sort_keys=True).encode()).hexdigest()
-
-
-def _drift(before: dict, now: dict) -> list:
-    out = []
-    for key in sorted(set(before) | set(now)):
-        if before.get(key) != now.get(key):
-            was, is_ = before.get(key), now.get(key)
-            out.append(f"{key}: {'missing' if is_ is None else 'changed'}"
-                       + ("" if was is not None else " (was missing)"))
-    return out
-
-
-def _write(path: str, data: dict) -> None:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".spark_stage.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
 
 def main() -> None:
     module = AnsibleModule(
@@ -220,34 +113,29 @@ def main() -> None:
     )
     p = module.params
     path = os.path.join(p["facts_dir"], FACT)
-    data = _read(path)
+    data = read_fact(path)
     stages = data.get("stages") if isinstance(data.get("stages"), dict) else {}
     salt = data.get("salt") or p["salt"] or secrets.token_hex(16)
 
+    def run(argv):
+        return module.run_command(argv)
+
     if p["state"] == "probe":
-        report = {}
-        for name, rec in stages.items():
-            if not isinstance(rec, dict):
-                continue
-            now = observe(module, rec.get("outputs") or {})
-            before = rec.get("seen") or {}
-            report[name] = {"fingerprint": rec.get("fingerprint", ""), "observed": _digest(now),
-                            "outputs_match": now == before, "drift": _drift(before, now)}
-        module.exit_json(changed=False, stages=report, salt=salt)
+        module.exit_json(changed=False, stages=probe(data, run, module.get_bin_path), salt=salt)
 
     unknown = sorted(set(p["outputs"]) - set(OUTPUT_KINDS))
     if unknown:
         module.fail_json(msg=f"spark_stage: unknown output kind(s) {', '.join(unknown)}; "
                              f"use {', '.join(OUTPUT_KINDS)}")
-    seen = observe(module, p["outputs"])
+    seen = observe(p["outputs"], run, module.get_bin_path)
     entry = {"fingerprint": p["fingerprint"], "outputs": p["outputs"], "seen": seen}
     old = stages.get(p["stage"]) or {}
     changed = data.get("salt") != salt or {k: old.get(k) for k in entry} != entry
-    result = {"fingerprint": p["fingerprint"], "observed": _digest(seen)}
+    result = {"fingerprint": p["fingerprint"], "observed": observed_digest(seen)}
     if changed and not module.check_mode:
         entry["recorded_at"] = datetime.now(UTC).isoformat(timespec="seconds")
         stages[p["stage"]] = entry
-        _write(path, {"salt": salt, "stages": stages})
+        write_fact(path, {"salt": salt, "stages": stages})
     module.exit_json(changed=changed, salt=salt, entry=result)
 
 

@@ -14,7 +14,6 @@ to run them: they are never reported as passed there.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,6 @@ ROOT = CONTRACT_DIR.parents[1]
 EXPECTED_VLLM = "0.19.1"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
-if str(CONTRACT_DIR) not in sys.path:
-    sys.path.insert(0, str(CONTRACT_DIR))
 
 if HAVE_VLLM:
     import vllm.platforms as _platforms

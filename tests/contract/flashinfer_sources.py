@@ -34,10 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
+sys.path.insert(0, str(ROOT / "tests" / "unit"))  # wheel_peek, when run as a script
 from sparkllm.fileio import write_json_atomic  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 # one pinned download for the sdists and these wheels
 from vllm_sources import MACHINE_CACHE, fetch_pinned  # noqa: E402
 
@@ -90,7 +89,7 @@ def _simple(name: str) -> dict | None:
     req = urllib.request.Request(f"https://pypi.org/simple/{name}/",
                                  headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310
+        with urllib.request.urlopen(req, timeout=60) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as exc:
         if exc.code == 404:

@@ -61,7 +61,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_sources  # noqa: E402
 from sparkllm.fileio import write_json_atomic  # noqa: E402
 
@@ -127,7 +126,7 @@ def torch_index() -> str:
 @cache
 def index_reachable(url: str, timeout: float = 10) -> bool:
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/torch/", timeout=timeout) as resp:  # noqa: S310
+        with urllib.request.urlopen(url.rstrip("/") + "/torch/", timeout=timeout) as resp:
             return resp.status == 200
     except OSError:
         return False

@@ -29,7 +29,6 @@ import yaml
 pytestmark = pytest.mark.vllm_contract
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "filter_plugins"))
 from spark_gpu_code import spark_gpu_code_judge  # noqa: E402
 
 VARIANTS = yaml.safe_load((ROOT / "group_vars/all/methods.yml").read_text())["spark_vllm_variants"]

@@ -182,11 +182,7 @@ def test_gpu_e2e_staging_installs_the_module_too(lm_target, tmp_path):
     """tests/gpu/e2e.py stages its patched vLLM itself (patch -p1 on a copy): it must install the carried
     module as well, or the GPU run's INT8 case would fail at import. Run on a stock tree holding the real
     files the series touches."""
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    try:
-        import e2e
-    finally:
-        sys.path.remove(str(ROOT / "tests" / "gpu"))
+    import e2e
     stock = tmp_path / "stock"
     for patch in series(lm_target):
         for rel in re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), flags=re.M):

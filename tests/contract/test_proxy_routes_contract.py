@@ -72,8 +72,8 @@ def test_the_route_list_the_serve_scenario_reads_is_current():
     current = {r: sorted(_scan(r)) for r in RELEASES}
     recorded = json.loads(DATA.read_text())
     assert recorded == current, (
-        f"{DATA.relative_to(ROOT)} is stale; rewrite it with: .venv-vllm/bin/python -c \"import json,sys; "
-        f"sys.path.insert(0, 'tests/contract'); import test_proxy_routes_contract as t; t.write_data()\"")
+        f"{DATA.relative_to(ROOT)} is stale; rewrite it with: PYTHONPATH=tests/contract "
+        f".venv-vllm/bin/python -c \"import test_proxy_routes_contract as t; t.write_data()\"")
 
 
 def write_data() -> None:
@@ -200,7 +200,6 @@ def test_the_release_checks_its_key_only_on_its_guarded_prefixes(release):
 
 
 def test_the_standin_answers_the_real_default_server_s_other_routes_without_a_key(built_routes):
-    sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
     from standin_server import routes
 
     real = {(m, p) for p, methods in built_routes if not p.startswith("/v1")

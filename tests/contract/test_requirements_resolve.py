@@ -11,7 +11,6 @@ about a minute per set).
 from __future__ import annotations
 
 import re
-import sys
 import warnings
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from packaging.version import Version
 pytestmark = pytest.mark.vllm_contract
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
 import wheel_peek  # noqa: E402  (METADATA of a wheel on PyPI by HTTP ranges, cached in .cache/wheel-peek)
 
 VARIANTS = rr.variants()

@@ -367,7 +367,6 @@ def test_dflash_probe_can_fail(dflash_answers):
 def test_gpu_e2e_argv_parses_on_the_dflash_variant(vllm_module, catalogue, variants):
     """Every server tests/gpu/e2e.py starts, rendered by spark_serve_argv with the host knobs
     (vllm_attention_backend, vllm_serve_extra_args), is accepted by the dflash variant's own parser."""
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
     import e2e
 
     cases = [settings(spec_method=m, vllm_model_path="/tmp/tiny", vllm_port=8101, **e2e.TEST_OVERRIDES,

@@ -50,12 +50,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import e2e  # noqa: E402
-import first_start as fs  # noqa: E402
-import tiny_dflash  # noqa: E402
-from spark_methods import spark_serve_argv  # noqa: E402
+import e2e
+import first_start as fs
+import tiny_dflash
+from spark_methods import spark_serve_argv
 
 CASES = {
     "base": {"method": "baseline", "eager": True, "ref": None},

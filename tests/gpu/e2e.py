@@ -66,7 +66,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "filter_plugins"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiny_pair  # noqa: E402
 from spark_methods import SETTING_DEFAULTS, spark_serve_argv  # noqa: E402

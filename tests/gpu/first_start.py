@@ -44,11 +44,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import e2e  # noqa: E402
-import tiny_eagle3  # noqa: E402
-from spark_methods import SETTING_DEFAULTS, spark_serve_argv  # noqa: E402
+import e2e
+import tiny_eagle3
+from spark_methods import SETTING_DEFAULTS, spark_serve_argv
 
 # (first-seen name, regex): the lines that mark a start's phases in vLLM 0.20.0 (and 0.26.0) logs
 PHASES = [

@@ -35,12 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import e2e  # noqa: E402
-import first_start as fs  # noqa: E402
-import tiny_pair  # noqa: E402
-from spark_methods import spark_serve_argv  # noqa: E402
+import e2e
+import first_start as fs
+import tiny_pair
+from spark_methods import spark_serve_argv
 
 MEM_UTIL = 0.30
 OVER_UTIL = 0.80  # more than is free while the MEM_UTIL server holds its share

@@ -30,9 +30,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_pair  # noqa: E402
+import tiny_pair
 
 MARKER = ".sparkllm_tiny_eagle3.json"
 INTER = 512

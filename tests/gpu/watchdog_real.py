@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from watchdog_load import T0, Load, http_get, log, metrics, post_json, short_metrics  # noqa: E402
 
 
@@ -481,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             c["control_calls"] = wd.control_calls()[n0:]
             check("c: no restart or stop", not c["control_calls"], c["control_calls"])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             check("c: ran", False, f"{type(exc).__name__}: {exc}")
 
         # ---- case a: busy at max_num_seqs plus one waiting
@@ -551,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
             done = [s for s in load.streams if s.finished]
             ca["streams_finished_during_a"] = len(done)
             ca["stream_errors"] = [s.error[:200] for s in load.streams if s.error]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             check("a: ran", False, f"{type(exc).__name__}: {exc}")
 
         # ---- case b: the engine stopped while busy
@@ -604,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                 {"fails": [r["reason"] for r in fails], "calls": cb["control_calls"]},
             )
             cb["journal"] = [ln for r in cb["runs"] for ln in r["journal"]]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             check("b: ran", False, f"{type(exc).__name__}: {exc}")
         finally:
             cont_engine()
@@ -665,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                         "calls": cb2["control_calls"],
                     },
                 )
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             check("b2: ran", False, f"{type(exc).__name__}: {exc}")
         finally:
             cont_engine()

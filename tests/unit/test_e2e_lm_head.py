@@ -7,13 +7,11 @@ so a change of the log line that the GPU run's regular expression no longer read
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 import e2e  # noqa: E402
 import tiny_pair  # noqa: E402

@@ -6,14 +6,11 @@ and fastsafetensors starts show their backend and loader."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-sys.path.insert(0, str(ROOT / "filter_plugins"))
 first_start = pytest.importorskip("first_start")  # imports e2e (yaml, numpy): both in the test venv
 
 FIXTURES = sorted((ROOT / "tests" / "fixtures" / "vllm_logs").glob("vllm-0.20.0-h200-*.txt"))

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 from test_dockerfile import LOCKS, VARIANTS, constraints, rendered
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "contract"))
 import resolve_requirements as rr  # noqa: E402
 
 

@@ -1,5 +1,6 @@
-"""Unit tests for issue 14's stage shortcut: filter_plugins/spark_stage.py (fingerprint and decision,
-on the controller) and library/spark_stage.py (probe and record, on the host)."""
+"""Unit tests for issue 14's stage shortcut, scripts/sparkllm/stage.py: the fingerprint and decision on
+the controller (the filters of filter_plugins/spark_stage.py) and the probe and record on the host
+(library/spark_stage.py, which imports it as ansible.module_utils.sparkllm.stage)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import spark_stage as st
 from spark_stage import FilterModule, spark_stage_after_record, spark_stage_gate
+from sparkllm import stage as st
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = ROOT / "library" / "spark_stage.py"
@@ -21,7 +22,7 @@ MODULE = ROOT / "library" / "spark_stage.py"
 
 # --- the controller side: inputs, fingerprint, decision ---------------------------------------
 
-def test_inputs_are_the_roles_defaults_and_the_group_vars_they_mention():
+def test_inputs_are_the_knobs_the_stage_declares():
     serve = st.input_names("serve")
     assert {"serve_unit_prefix", "vllm_port", "spec_method", "spark_method_catalogue"} <= set(serve)
     model = st.input_names("model")
@@ -46,7 +47,8 @@ def test_the_bad_driver_opt_in_reruns_preflight_and_serve():
 
 
 def test_unknown_stage_is_refused_with_the_list():
-    with pytest.raises(ValueError, match="unknown stage 'deploy'.*preflight, build, model, serve, bench"):
+    stages = "preflight, build, model, serve, bench, ops "
+    with pytest.raises(ValueError, match=f"unknown stage 'deploy'.*{stages}"):
         st.input_names("deploy")
 
 
@@ -141,16 +143,33 @@ def test_an_unresolvable_value_is_a_stable_input():
 def test_a_changed_toolkit_file_changes_only_the_stages_that_run_it(tmp_path):
     root = tmp_path / "toolkit"
     for d in ("roles", "playbooks", "filter_plugins", "group_vars", "library", "scripts", "templates",
-              "patches"):
+              "patches"):  # playbooks/group_vars is a link to ../group_vars
         shutil.copytree(ROOT / d, root / d, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy(ROOT / "site.yml", root / "site.yml")
-    before = {s: st.files_digest(s, root) for s in st.STAGES}
+    stages = st.stage_names(root)
+    before = {s: st.files_digest(s, root) for s in stages}
     (root / "roles" / "bench" / "tasks" / "run.yml").write_text("# changed\n", encoding="utf-8")
-    after = {s: st.files_digest(s, root) for s in st.STAGES}
-    assert [s for s in st.STAGES if before[s] != after[s]] == ["bench"]
+    after = {s: st.files_digest(s, root) for s in stages}
+    assert [s for s in stages if before[s] != after[s]] == ["bench"]
+    # a task file the build stage includes from another role (its rescue stops the download) reruns
+    # build and model, not serve; the rest of that role reruns only the model stage
+    (root / "roles" / "model_fetch" / "tasks" / "stop.yml").write_text("# changed\n", encoding="utf-8")
+    again = {s: st.files_digest(s, root) for s in stages}
+    assert [s for s in stages if again[s] != after[s]] == ["build", "model"]
+    (root / "roles" / "model_fetch" / "tasks" / "wait.yml").write_text("# changed\n", encoding="utf-8")
+    assert [s for s in stages if st.files_digest(s, root) != again[s]] == ["model"]
     (root / "scripts" / "hybrid_merge.py").write_text("# changed\n", encoding="utf-8")
-    assert all(st.files_digest(s, root) != after[s] for s in st.STAGES)
+    assert all(st.files_digest(s, root) != again[s] for s in stages)
+
+
+def test_a_stages_roles_are_read_from_its_playbooks():
+    # spark_tools: serve's meta dependency
+    assert st.stage_roles("serve") == {"serve": None, "spark_tools": None}
+    build = st.stage_roles("build")
+    assert build["vllm_build"] is None and build["model_fetch"] == {"stop.yml"}
+    assert build["spark_tools"] == {"stage_gate.yml", "stage_record.yml"}
+    assert set(st.stage_roles("model")) == {"model_fetch", "model_hybrid", "spark_tools"}
 
 
 # --- the host side: the spark_stage module ----------------------------------------------------
@@ -163,8 +182,12 @@ def run_module(tmp_path: Path, args: dict, *, check: bool = False, path_prefix: 
     env = dict(os.environ)
     if path_prefix:
         env["PATH"] = f"{path_prefix}:{env['PATH']}"
-    proc = subprocess.run([sys.executable, str(MODULE), str(argfile)], capture_output=True, text=True,
-                          env=env, check=False)
+    # as Ansible ships it: scripts/ is module_utils (ansible.cfg): sparkllm is ansible.module_utils.sparkllm
+    boot = ("import runpy, sys, ansible.module_utils as mu; mu.__path__.append(sys.argv[1]); "
+            "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", boot, str(ROOT / "scripts"), str(MODULE), str(argfile)],
+                          capture_output=True, text=True, env=env, check=False)
+    assert proc.stdout, proc.stderr
     return json.loads(proc.stdout)
 
 

@@ -8,14 +8,11 @@ drafting arithmetic the weights encode (the first draft is the target's next tok
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import tiny_dflash as td  # noqa: E402
 import tiny_pair as tp  # noqa: E402

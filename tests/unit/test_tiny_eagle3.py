@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
-import tiny_eagle3  # noqa: E402
-import tiny_pair  # noqa: E402
+import tiny_eagle3
+import tiny_pair
 
 
 def read_header(path: Path) -> dict:

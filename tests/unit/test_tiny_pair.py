@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import tiny_pair as tp  # noqa: E402
 from sparkllm.safetensors_io import read_header, read_tensor_bytes  # noqa: E402

@@ -172,7 +172,6 @@ def test_tool_call_tokens_are_required_when_asked(merged: Path, tmp_path: Path) 
     wanted = ("<tool_call> / </tool_call>", "HTTP 500", "vllm_enable_auto_tool_choice")
     assert any(all(w in ln for w in wanted) for ln in lines), lines
     assert verify(merged)[0] == 0  # not asked: not checked
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
     import tiny_pair
 
     good = tmp_path / "tok"
