@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT / "tests" / "contract"))
 # the description of what each stage installs, and pip's target settings, live with the resolver the
 # contract suite runs: one place, held to the Dockerfile by tests/unit/test_resolve_inputs.py
 import resolve_requirements as rr  # noqa: E402
+from sparkllm.cli import UsageError, WorkFailed, doc_parser, run_main  # noqa: E402
+from sparkllm.fileio import atomic_write  # noqa: E402
 
 LOCKS = ROOT / "roles" / "vllm_build" / "files" / "locks"
 TARGET = "linux_aarch64, CPython 3.12 (glibc 2.39: Ubuntu 24.04, the base image's python3)"
@@ -189,17 +191,19 @@ def render(variant: str, stem: str, pins: list[Pin], digest: str, index_ok: bool
     return "\n".join(head + [p.line() for p in pins]) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    p = doc_parser("image_lock.py", __doc__)
     p.add_argument("variants", nargs="*", help="variants of spark_vllm_variants (default: all)")
     p.add_argument("--check", action="store_true",
                    help="fail when the checked-in lock's inputs digest is not what its inputs give now")
-    args = p.parse_args(argv)
+    return p
+
+
+def lock(args: argparse.Namespace) -> int:
     known = rr.variants()
     unknown = [v for v in args.variants if v not in known]
     if unknown:
-        print(f"image_lock: no variant {', '.join(unknown)} in {rr.METHODS}", file=sys.stderr)
-        return 2
+        raise UsageError(f"no variant {', '.join(unknown)} in {rr.METHODS}")
     index_ok = rr.index_reachable(rr.torch_index())
     status = 0
     for variant in args.variants or sorted(known):
@@ -215,17 +219,22 @@ def main(argv: list[str] | None = None) -> int:
         try:
             files = lock_variant(variant, conf, index_ok)
         except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-            print(f"image_lock: {variant}: {exc}", file=sys.stderr)
-            return 1
+            raise WorkFailed(f"{variant}: {exc}") from None
         outdir.mkdir(parents=True, exist_ok=True)
         for old in outdir.glob("*.txt"):
             if old.stem not in files:
                 old.unlink()
         for stem, pins in files.items():
-            (outdir / f"{stem}.txt").write_text(render(variant, stem, pins, digest, index_ok))
+            with atomic_write(outdir / f"{stem}.txt") as f:
+                f.write(render(variant, stem, pins, digest, index_ok).encode())
         counts = ", ".join(f"{stem} {len(pins)}" for stem, pins in files.items())
         print(f"image_lock: {variant}: {counts} packages -> {outdir.relative_to(ROOT)}")
     return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return run_main("image_lock", lambda: lock(args))
 
 
 if __name__ == "__main__":

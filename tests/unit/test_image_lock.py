@@ -21,9 +21,7 @@ from packaging.version import Version
 from test_dockerfile import LOCKS, VARIANTS, constraints, lock_files, rendered
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests" / "contract"))
-import image_lock  # noqa: E402
+import image_lock  # noqa: E402  (scripts/ and tests/contract are on pytest's pythonpath)
 import resolve_requirements as rr  # noqa: E402
 
 LOCK_CHECK = ROOT / "roles" / "vllm_build" / "files" / "lock_check.py"
