@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -450,7 +451,7 @@ def test_the_dashboard_listens_on_loopback_only(head, worker):
 
 
 def test_the_firewall_names_the_engines_pinned_ports(head, worker):
-    """VLLM_PORT (where vLLM's get_open_port scans from) and its range, the mp master port, the kernel's
+    r"""VLLM_PORT (where vLLM's get_open_port scans from) and its range, the mp master port, the kernel's
     ephemeral range (NCCL and Gloo listen there) and the exporters' ports are in the ruleset of both nodes."""
     for node in (head, worker):
         assert _env(node)["VLLM_PORT"] == "29600"
@@ -460,8 +461,9 @@ def test_the_firewall_names_the_engines_pinned_ports(head, worker):
         assert {9100, 9835} <= _set_ports(node, "exporter_tcp_ports")
         ruleset = node.check_output("nft list table inet sparkllm")
         assert "ct state established,related accept" in ruleset
-        drop = 'tcp dport @engine_tcp_ports counter drop comment "engine port from outside the link"'
-        assert drop in ruleset
+        # the live ruleset prints the counter's values: "counter packets N bytes M drop"
+        drop = r'tcp dport @engine_tcp_ports counter packets \d+ bytes \d+ drop comment "engine port from outside'
+        assert re.search(drop, ruleset), ruleset
 
 
 _LISTEN = ("import socket,sys,time; s=socket.socket(); "
