@@ -462,7 +462,8 @@ def test_the_firewall_names_the_engines_pinned_ports(head, worker):
         ruleset = node.check_output("nft list table inet sparkllm")
         assert "ct state established,related accept" in ruleset
         # the live ruleset prints the counter's values: "counter packets N bytes M drop"
-        drop = r'tcp dport @engine_tcp_ports counter packets \d+ bytes \d+ drop comment "engine port from outside'
+        drop = (r'tcp dport @engine_tcp_ports counter packets \d+ bytes \d+ drop '
+                r'comment "engine port from outside')
         assert re.search(drop, ruleset), ruleset
 
 
