@@ -28,6 +28,21 @@ neither ``/health`` nor a timed request tells a busy server from a hung one. One
     unit and its own timer, says so in one journal line, and exits 1 (the watchdog's service is left
     failed; `systemctl --failed` shows it) so a crash loop ends in a clear state, not a restart storm.
 
+On a worker Spark of a Ray cluster (--ray-node) there is no API to probe: the head's vLLM drives the
+worker's Ray actors (0.19.1 ``vllm/v1/executor/ray_executor.py``: ``RayWorkerWrapper`` actors placed on
+every node's GPU), so the engine's progress is judged by the head's watchdog, and a dead or hung worker
+rank shows there as a stalled or dead server. What only the worker can fix is its own Ray node, so a run
+there judges that instead:
+
+  * ``GET /api/local_raylet_healthz`` of the node's Ray dashboard agent (Ray 2.60
+    ``dashboard/modules/reporter/healthz_agent.py``, public even with token authentication): 200
+    "success" while the head's GCS holds this node alive; 503 once the GCS declared it dead, and no
+    answer when the node's Ray processes are gone: both are failures, restarting the node's Ray unit
+    (``ray start`` rejoins the head);
+  * --ray-head (the head's GCS address over the link): a head that does not answer is reported once,
+    never counted: restarting the worker cannot fix the head or the cable, and the agent itself treats
+    an unreachable GCS as no verdict.
+
 The decision itself is pure (:func:`judge`, :func:`judge_probe`) over successive /metrics samples and
 the probe's result; the last verdict is kept in the state file (``last``).
 
@@ -40,6 +55,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -271,11 +287,54 @@ def observe(a: argparse.Namespace, prev: Sample | None,
     return v, (after or cur)
 
 
+def _connects(address: str, timeout: float) -> str:
+    """'' when a TCP connection to HOST:PORT opens, else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return ""
+    except (OSError, ValueError) as exc:
+        return _no_answer(exc)
+
+
+def judge_ray_node(status: int | None, body: str, error: str = "") -> Verdict:
+    """The node agent's answer to /api/local_raylet_healthz (status None: no answer)."""
+    if status == 200 and body.strip() == "success":
+        return Verdict("ok", "Ray node alive in the cluster (the node agent's raylet health check)")
+    if status == 503:
+        return Verdict("fail", f"the head's GCS holds this Ray node dead: {body.strip()[:200] or 'HTTP 503'}")
+    if status is None:
+        return Verdict("fail", f"the node's Ray agent does not answer ({error}): its Ray processes are gone")
+    return Verdict("fail", f"the node's Ray agent answered HTTP {status}: {body.strip()[:200]}")
+
+
+def observe_ray(a: argparse.Namespace, st: dict) -> Verdict:
+    """One look at this node's Ray: the agent's raylet health; the head's reachability is only reported."""
+    if a.ray_head:
+        why = _connects(a.ray_head, a.timeout)
+        if why and st.get("ray_head") != "down":
+            log(f"{a.unit}: the head's GCS at {a.ray_head} does not answer over the link ({why}); "
+                "not a fault of this node, nothing restarted: check the head's Ray unit and the cable")
+            st["ray_head"] = "down"
+        elif not why and st.pop("ray_head", None):
+            log(f"{a.unit}: the head's GCS at {a.ray_head} answers again")
+    try:
+        status, body = _request(a.ray_node.rstrip("/") + "/api/local_raylet_healthz", a.timeout, {})
+    except (OSError, ValueError) as exc:
+        return judge_ray_node(None, "", _no_answer(exc))
+    return judge_ray_node(status, body.decode("utf-8", "replace"))
+
+
 # ------------------------------------------------------------------------------------- the run
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--unit", required=True, help="the method's unit, e.g. sparkllm-vllm-mtp.service")
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
+    what.add_argument("--ray-node", default=None,
+                      help="a worker's Ray: its dashboard agent's base URL, e.g. http://127.0.0.1:52365")
+    p.add_argument("--ray-head", default=None,
+                   help="with --ray-node: the head's GCS address HOST:PORT, reported when it does not answer")
     p.add_argument("--state", required=True, type=Path, help="state file (JSON) kept between runs")
     p.add_argument("--failures", type=int, default=3, help="failures in a row before a restart (default: 3)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts allowed per window (default: 3)")
@@ -299,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = build_parser().parse_args(argv)
+    if a.ray_head and not a.ray_node:
+        build_parser().error("--ray-head goes with --ray-node")
     if (a.failures < 1 or a.max_restarts < 0 or a.window <= 0 or a.timeout <= 0 or a.stall <= 0
             or a.pause_max <= 0):
         build_parser().error("--failures must be >= 1, --max-restarts >= 0, --window, --timeout, --stall and "
@@ -385,11 +446,16 @@ def run(a: argparse.Namespace, now: float | None = None) -> int:
     if us.get("InvocationID") != st.get("invocation"):
         st.update(invocation=us.get("InvocationID"), failures=0, healthy_seen=False, sample=None,
                   progress_at=None)
-    v, cur = observe(a, _sample_of(st.get("sample")), st.get("progress_at"))
+    if a.ray_node:
+        v, cur = observe_ray(a, st), None
+        seen = v.kind == "ok"
+    else:
+        v, cur = observe(a, _sample_of(st.get("sample")), st.get("progress_at"))
+        seen = cur is not None
     st.update(sample=asdict(cur) if cur else None, progress_at=v.progress_at,
               last={"t": now, "kind": v.kind, "reason": v.reason})
-    if cur is not None:
-        st["healthy_seen"] = True  # /health and /metrics answered: loaded
+    if seen:
+        st["healthy_seen"] = True  # /health and /metrics answered (a Ray node: its agent said alive): loaded
     if v.kind == "config":
         if st.get("config_error") != v.reason:
             log(f"{a.unit}: CONFIGURATION ERROR, not a dead server (no restart): {v.reason}")

@@ -54,7 +54,8 @@ def exprs() -> list[str]:
 def test_prometheus_config_scrapes_the_three_sources_on_loopback() -> None:
     text = render(ROOT / "templates" / "prometheus.yml.j2", spec_method="mtp",
                   _spark_monitoring_vllm_target="127.0.0.1:8000", _spark_monitoring_vllm_scheme="http",
-                  _spark_monitoring_rules_file="/etc/prometheus/sparkllm-alerts.yml")
+                  _spark_monitoring_rules_file="/etc/prometheus/sparkllm-alerts.yml",
+                  inventory_hostname="spark-a", _spark_monitoring_worker_targets=[])
     cfg = yaml.safe_load(text)
     assert cfg["rule_files"] == ["/etc/prometheus/sparkllm-alerts.yml"]
     jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in cfg["scrape_configs"]}
@@ -62,6 +63,22 @@ def test_prometheus_config_scrapes_the_three_sources_on_loopback() -> None:
                     "prometheus": ["127.0.0.1:9090"]}
     assert cfg["global"]["scrape_interval"] == "15s"
     assert cfg["scrape_configs"][0]["static_configs"][0]["labels"] == {"method": "mtp"}
+
+
+def test_the_heads_prometheus_scrapes_every_workers_exporters_over_the_link() -> None:
+    """Several Sparks: a worker runs node exporter and the GB10 exporter on its link address; the head's
+    Prometheus scrapes them there, each series labelled with the node it came from."""
+    text = render(ROOT / "templates" / "prometheus.yml.j2", spec_method="mtp",
+                  _spark_monitoring_vllm_target="127.0.0.1:8000", _spark_monitoring_vllm_scheme="http",
+                  _spark_monitoring_rules_file="/etc/prometheus/sparkllm-alerts.yml",
+                  inventory_hostname="spark-a",
+                  _spark_monitoring_worker_targets=[{"node": "spark-b", "node_target": "192.168.100.11:9100",
+                                                     "gb10_target": "192.168.100.11:9835"}])
+    jobs = {j["job_name"]: j["static_configs"] for j in yaml.safe_load(text)["scrape_configs"]}
+    assert jobs["node"] == [{"targets": ["127.0.0.1:9100"], "labels": {"node": "spark-a"}},
+                            {"targets": ["192.168.100.11:9100"], "labels": {"node": "spark-b"}}]
+    assert jobs["gb10"][1] == {"targets": ["192.168.100.11:9835"], "labels": {"node": "spark-b"}}
+    assert len(jobs["vllm"]) == 1  # the server is the head's only
 
 
 def test_grafana_files_pass_grafanas_schema(tmp_path: Path) -> None:

@@ -359,3 +359,110 @@ def test_state_file_is_what_the_exporter_reads(tmp_path: Path) -> None:
     assert state.stat().st_mode & 0o777 == 0o644
     text = "\n".join(gb10_exporter.ops_metrics(tmp_path))
     assert "sparkllm_watchdog_gave_up 1" in text and 'sparkllm_ops_state_up{file="watchdog.json"} 1' in text
+
+
+# ------------------------------------------------------------------ a worker's Ray node (--ray-node)
+class _Agent:
+    """Stand-in for a Ray node's dashboard agent: /api/local_raylet_healthz with a settable answer."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        agent = self
+        self.answer = (200, "success")
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                status, text = agent.answer if self.path == "/api/local_raylet_healthz" else (404, "")
+                body = text.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def ray_bed(tmp_path: Path):
+    calls, fake = tmp_path / "calls", tmp_path / "systemctl"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = show ]; then echo ActiveState=$(cat {tmp_path}/active); echo InvocationID=inv1; '
+        "echo ActiveEnterTimestampMonotonic=0; exit 0; fi\n"
+        f'echo "$@" >> {calls}\n'
+    )
+    fake.chmod(0o755)
+    (tmp_path / "active").write_text("active\n")
+    agent = _Agent()
+    yield tmp_path, calls, fake, agent
+    agent.stop()
+
+
+def _ray_args(tmp: Path, fake: Path, node: str, head: str) -> object:
+    return wd.parse_args(["--unit", "sparkllm-ray-worker.service", "--ray-node", node, "--ray-head", head,
+                          "--state", str(tmp / "st.json"), "--failures", "2", "--max-restarts", "1",
+                          "--timeout", "0.5", "--grace", "0", "--timer", "w.timer", "--systemctl", str(fake)])
+
+
+def test_ray_node_judged_by_its_agents_raylet_health() -> None:
+    assert wd.judge_ray_node(200, "success\n").kind == "ok"
+    dead = wd.judge_ray_node(503, "Local Raylet failed")
+    assert dead.kind == "fail" and "holds this Ray node dead: Local Raylet failed" in dead.reason
+    gone = wd.judge_ray_node(None, "", "ConnectionRefusedError: refused")
+    assert gone.kind == "fail" and "does not answer (ConnectionRefusedError" in gone.reason
+    assert wd.judge_ray_node(200, "maybe").kind == "fail"  # only Ray's own word counts
+
+
+def test_a_dead_ray_node_is_restarted_and_an_unreachable_head_only_reported(ray_bed, capsys) -> None:
+    tmp, calls, fake, agent = ray_bed
+    head = f"127.0.0.1:{_closed_port()}"
+    a = _ray_args(tmp, fake, agent.url, head)
+    assert wd.run(a) == 0 and _calls(calls) == []
+    out = capsys.readouterr().out
+    assert out.count("does not answer over the link") == 1 and "nothing restarted" in out
+    assert _last(tmp)["kind"] == "ok"
+    assert wd.run(a) == 0 and "does not answer over the link" not in capsys.readouterr().out  # said once
+    agent.answer = (503, "Local Raylet failed")
+    assert wd.run(a) == 0 and _calls(calls) == []  # 1 of 2
+    assert wd.run(a) == 0
+    assert _calls(calls) == ["restart --no-block sparkllm-ray-worker.service"]
+    assert "holds this Ray node dead" in capsys.readouterr().out
+
+
+def test_a_ray_node_without_its_agent_gives_up_after_the_allowed_restarts(ray_bed, capsys) -> None:
+    tmp, calls, fake, agent = ray_bed
+    a = _ray_args(tmp, fake, f"http://127.0.0.1:{_closed_port()}", f"127.0.0.1:{_closed_port()}")
+    rcs = [wd.run(a) for _ in range(4)]
+    assert rcs == [0, 0, 0, 1]
+    assert _calls(calls) == ["restart --no-block sparkllm-ray-worker.service",
+                             "stop --no-block sparkllm-ray-worker.service", "stop --no-block w.timer"]
+    assert "GAVE UP" in capsys.readouterr().out
+    # stopped by the give-up (or by the operator): nothing is probed, nothing started
+    (tmp / "active").write_text("inactive\n")
+    assert wd.run(a) == 0 and len(_calls(calls)) == 3
+
+
+def test_ray_head_needs_ray_node(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        wd.parse_args(["--unit", "u", "--url", "http://x", "--state", "s", "--ray-head", "h:1"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        wd.parse_args(["--unit", "u", "--url", "http://x", "--ray-node", "http://y", "--state", "s"])

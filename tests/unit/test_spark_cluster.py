@@ -3,6 +3,7 @@ restricted options of a worker's key on the head; and the link firewall's nftabl
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -119,24 +120,49 @@ def test_filters_registered():
                                              "spark_ray_env_exclude"}
 
 
-def _firewall(nets: list[str]) -> str:
+def _firewall(nets: list[str], engine: list[str] | None = None) -> str:
+    sets = {"ray_tcp_ports": spark_ray_firewall_ports(PORTS),
+            "engine_tcp_ports": ["29600-29631", "29501", "32768-60999"] if engine is None else engine,
+            "exporter_tcp_ports": ["9100", "9835"]}
     return render("sparkllm-link-firewall.nft.j2", inventory_hostname="spark-a",
                   _spark_link_fw_table="sparkllm", _spark_link_fw_unit="sparkllm-link-firewall.service",
-                  _spark_link_fw_ports=spark_ray_firewall_ports(PORTS), _spark_link_fw_nets=nets)
+                  _spark_link_fw_sets=sets, _spark_link_fw_nets=nets)
 
 
-def test_firewall_drops_only_ray_ports_from_outside_the_link():
+def test_firewall_drops_new_connections_to_named_ports_from_outside_the_link():
     text = _firewall(["192.168.100.0/24", "192.168.101.0/24"])
     rules = [line.strip() for line in text.split("chain input {", 1)[1].splitlines() if line.strip()]
     assert rules[0] == "type filter hook input priority filter; policy accept;"
-    # loopback and the link first; the only drop names Ray's TCP ports (other traffic is untouched)
+    # loopback and the link first, then replies to this node's own connections (their local ports are
+    # ephemeral, a range the engine's set names); the drops name the sets' TCP ports only
     assert rules[1:4] == ['iifname "lo" accept', "ip saddr @link_nets accept",
-                          'tcp dport @ray_tcp_ports counter drop comment "Ray port from outside the link"']
-    assert sum("drop" in r for r in rules) == 1
+                          "ct state established,related accept"]
+    drop = 'tcp dport @{}_tcp_ports counter drop comment "{} port from outside the link"'
+    assert rules[4:7] == [drop.format(name, what)
+                          for name, what in (("ray", "Ray"), ("engine", "engine"), ("exporter", "exporter"))]
+    assert sum("drop" in r for r in rules) == 3
     assert "elements = { 192.168.100.0/24, 192.168.101.0/24 }" in text
     assert "elements = { 6379, 6380," in text and "10002-19999" in text
+    assert "elements = { 29600-29631, 29501, 32768-60999 }" in text
     # reloading replaces the table in one transaction
     assert text.index("delete table inet sparkllm") < text.index("table inet sparkllm {")
+    # an empty set is left out with its rule (nft refuses an empty elements list)
+    assert "engine_tcp_ports" not in _firewall(["10.0.0.0/24"], engine=[])
+
+
+def test_the_engine_port_range_starts_at_vllm_port_of_the_cluster_environment():
+    """VLLM_PORT is where vLLM's get_open_port() scans from: the firewall's engine range must start there."""
+    link = yaml.safe_load((ROOT / "roles" / "spark_link" / "vars" / "main.yml").read_text())
+    cluster = yaml.safe_load((ROOT / "group_vars" / "all" / "cluster.yml").read_text())
+    assert "'VLLM_PORT': spark_vllm_dist_port" in link["_spark_link_env"]
+    assert "_spark_link_dist_first ~ '-'" in link["_spark_link_engine_ports"]
+    assert cluster["spark_vllm_dist_port"] == 29600 and cluster["spark_vllm_dist_port_count"] >= 8
+    ray = set()
+    for e in spark_ray_firewall_ports(cluster["spark_ray_ports"]):
+        lo, _, hi = e.partition("-")
+        ray |= set(range(int(lo), int(hi or lo) + 1))
+    first = cluster["spark_vllm_dist_port"]
+    assert not ray & set(range(first, first + cluster["spark_vllm_dist_port_count"]))
 
 
 @pytest.mark.skipif(shutil.which("nft") is None, reason="nft not installed")
@@ -246,3 +272,52 @@ def test_an_explicit_list_must_name_the_links_devices(explicit, fragment):
     assert fragment in res["error"] and "enp1s0f1np1 -> rocep1s0f1" in res["error"]
     ok = spark_link_roce_hcas(SPARK_LINK, ["rocep1s0f1"], "enp1s0f1np1")
     assert ok["error"] == "" and ok["hcas"] == ["rocep1s0f1"]
+
+
+_NS_SCRIPT = r"""
+set -e
+ip netns add {a}; ip netns add {b}
+trap 'ip netns del {a}; ip netns del {b}' EXIT
+ip link add {a}v type veth peer name {b}v
+ip link set {a}v netns {a}; ip link set {b}v netns {b}
+ip -n {a} addr add 192.168.77.1/24 dev {a}v; ip -n {b} addr add 192.168.77.2/24 dev {b}v
+for n in {a} {b}; do ip -n $n link set lo up; done
+ip -n {a} link set {a}v up; ip -n {b} link set {b}v up
+ip netns exec {a} nft -f {fw}
+ip netns exec {b} python3 -c "$SERVE" 8080 &
+sleep 0.5
+ip netns exec {a} python3 -c "$CONNECT" 192.168.77.2 8080 && echo "out ok"
+for port in 29600 40000 6379 8000; do
+  ip netns exec {a} python3 -c "$SERVE" $port &
+  sleep 0.3
+  if ip netns exec {b} python3 -c "$CONNECT" 192.168.77.1 $port
+  then echo "in $port open"; else echo "in $port dropped"; fi
+done
+wait
+"""
+
+
+def test_the_firewall_in_a_kernel_drops_the_outsider_and_keeps_the_nodes_own_connections(tmp_path):
+    """The rendered table loaded into a network namespace: the node's own connection out (a reply to its
+    ephemeral local port) works; from a network that is not the link, VLLM_PORT, a port of the ephemeral
+    range (where NCCL and Gloo listen) and Ray's GCS are dropped; a port it does not name stays open."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None:
+        pytest.skip("needs root, ip and nft")
+    fw = tmp_path / "fw.nft"
+    fw.write_text(_firewall(["10.213.77.0/24"]))
+    tag = f"t{os.getpid() % 10000}"
+    script = _NS_SCRIPT.format(a=f"{tag}a", b=f"{tag}b", fw=fw)
+    serve = ("import socket,sys,time; s=socket.socket(); "
+             "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+             "s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(); s.settimeout(3)\ntry: s.accept()\n"
+             "except OSError: pass\ntime.sleep(0.5)")
+    env = dict(os.environ, SERVE=serve,
+               CONNECT="import socket,sys; s=socket.socket(); s.settimeout(2); "
+                       "sys.exit(s.connect_ex((sys.argv[1], int(sys.argv[2]))))")
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, check=False,
+                          env=env)
+    if proc.returncode != 0 and ("Operation not permitted" in proc.stderr or "Cannot create" in proc.stderr):
+        pytest.skip(f"no network namespaces here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["out ok", "in 29600 dropped", "in 40000 dropped", "in 6379 dropped",
+                                        "in 8000 open"], (proc.stdout, proc.stderr)

@@ -20,8 +20,12 @@ ROLE = ROOT / "roles" / "spark_ops"
 UNIT = "sparkllm-vllm-mtp.service"
 
 
-def role_vars(**over) -> dict:
+def role_vars(ray: bool = False, **over) -> dict:
     v = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    derived = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())
+    # the default's choice by mode (vars/main.yml): one Spark, or a node of a Ray cluster (head or worker)
+    assert "_spark_ops_prefer_ray if _spark_ops_ray" in v["spark_ops_guard_prefer"]
+    v["spark_ops_guard_prefer"] = derived["_spark_ops_prefer_ray" if ray else "_spark_ops_prefer_server"]
     # the budget's lines (group_vars/all/memory.yml) on a 128 GB Spark's MemTotal, as the default's filter
     # makes them
     budget = yaml.safe_load((ROOT / "group_vars" / "all" / "memory.yml").read_text())
@@ -33,13 +37,13 @@ def role_vars(**over) -> dict:
     return v
 
 
-def render(name: str, **over) -> str:
+def render(name: str, ray: bool = False, **over) -> str:
     env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
-    return env.from_string((ROLE / "templates" / name).read_text()).render(**role_vars(**over))
+    return env.from_string((ROLE / "templates" / name).read_text()).render(**role_vars(ray, **over))
 
 
-def earlyoom_argv() -> list[str]:
-    line = next(x for x in render("earlyoom.default.j2").splitlines() if x.startswith("EARLYOOM_ARGS="))
+def earlyoom_argv(ray: bool = False) -> list[str]:
+    line = next(x for x in render("earlyoom.default.j2", ray).splitlines() if x.startswith("EARLYOOM_ARGS="))
     # systemd's `ExecStart=/usr/bin/earlyoom $EARLYOOM_ARGS`: the value unquoted, split at whitespace
     return shlex.split(line.split("=", 1)[1])[0].split()
 
@@ -62,6 +66,21 @@ def test_earlyoom_gets_the_thresholds_victims_and_hook() -> None:
     assert not avoid.search("vllm")
 
 
+def test_with_ray_the_guard_prefers_the_ray_actors_that_hold_the_gpu() -> None:
+    """vLLM's Ray executor places RayWorkerWrapper actors on every node's GPU (0.19.1
+    v1/executor/ray_executor.py); Ray titles an actor's process ray::<class> (ray::<class>.<method> while one
+    runs), comm cut to 15 characters. molecule/cluster checks the comm of a real Ray actor of that class on
+    the worker against this rule."""
+    argv = earlyoom_argv(ray=True)
+    prefer = re.compile(argv[argv.index("--prefer") + 1])
+    for comm in ("ray::RayWorkerW", "VLLM::EngineCor", "vllm"):
+        assert prefer.search(comm), comm
+    # Ray's own daemons and idle workers hold no GPU; killing the raylet or GCS ends the whole node
+    for comm in ("raylet", "gcs_server", "ray::IDLE", "ray::JobSupervi", "python3", "ray"):
+        assert not prefer.search(comm), comm
+    assert not re.compile(earlyoom_argv()[earlyoom_argv().index("--prefer") + 1]).search("ray::RayWorkerW")
+
+
 def test_earlyoom_runs_as_root_so_its_hook_may_stop_the_unit() -> None:
     text = render("earlyoom-sparkllm.conf.j2")
     assert re.search(r"^\[Service\]\nDynamicUser=no$", text, re.M), text
@@ -77,9 +96,10 @@ def hook(tmp_path: Path):
         f.write_text(f'#!/bin/sh\necho "{tool} $*" >> {tmp_path}/calls\n')
         f.chmod(0o755)
 
-    def run(name: str, **over) -> list[str]:
+    def run(name: str, ray: bool = False, **over) -> list[str]:
         script = tmp_path / "oom-hook"
-        script.write_text(render("oom-hook.j2", **{"spark_ops_state_dir": str(tmp_path / "state"), **over}))
+        state = {"spark_ops_state_dir": str(tmp_path / "state")}
+        script.write_text(render("oom-hook.j2", ray, **{**state, **over}))
         script.chmod(0o755)
         env = dict(os.environ, PATH=f"{bin_dir}:/usr/bin:/bin", EARLYOOM_PID="4242", EARLYOOM_UID="0",
                    EARLYOOM_NAME=name)
@@ -97,6 +117,13 @@ def test_the_hook_stops_the_unit_when_the_server_was_killed(hook) -> None:
     assert any(f"stopping {UNIT} (memory guard)" in c and f"systemctl start {UNIT}" in c
                for c in calls), calls
     assert calls[-1] == f"systemctl stop --no-block {UNIT}"
+
+
+def test_on_a_ray_worker_the_hook_stops_its_ray_node(hook) -> None:
+    """A worker's unit is its Ray node: restarted, it would take the head's actors back into the shortage."""
+    calls = hook("ray::RayWorkerW", ray=True, spark_ops_unit="sparkllm-ray-worker.service")
+    assert calls[-1] == "systemctl stop --no-block sparkllm-ray-worker.service", calls
+    assert not any(c.startswith("systemctl") for c in hook("raylet", ray=True))
 
 
 def test_the_hook_leaves_the_unit_alone_when_something_else_was_killed(hook) -> None:
@@ -123,3 +150,20 @@ def test_each_kill_is_a_line_the_exporter_counts(hook, tmp_path: Path) -> None:
     assert [ln.split(" ", 2)[1:] for ln in lines] == [["4242", "VLLM::EngineCor"], ["4242", "python3"]]
     assert log.stat().st_mode & 0o777 == 0o644
     assert "sparkllm_guard_kills_total 2" in "\n".join(gb10_exporter.ops_metrics(tmp_path / "state"))
+
+
+def test_a_workers_watchdog_unit_judges_its_ray_node() -> None:
+    """The worker's watchdog runs in Ray-node mode (no API there) and its argv is one the script accepts."""
+    import ops_watchdog
+
+    text = render("sparkllm-watchdog.service.j2", ray=True, spark_ops_unit="sparkllm-ray-worker.service",
+                  _spark_ops_watch="ray_node", _spark_ops_ray_agent_url="http://127.0.0.1:52365",
+                  _spark_ops_ray_head="192.168.100.10:6379", spark_ops_state_dir="/var/lib/sparkllm-ops",
+                  spark_ops_watchdog_grace="120")
+    (line,) = [x for x in text.splitlines() if x.startswith("ExecStart=")]
+    argv = shlex.split(line.split("=", 1)[1])
+    assert argv[:2] == ["/usr/bin/python3", "/usr/local/libexec/sparkllm/ops_watchdog.py"]
+    a = ops_watchdog.parse_args(argv[2:])
+    assert (a.unit, a.ray_node, a.ray_head, a.url) == ("sparkllm-ray-worker.service", "http://127.0.0.1:52365",
+                                                       "192.168.100.10:6379", None)
+    assert a.grace == 120 and a.timer == "sparkllm-watchdog.timer"

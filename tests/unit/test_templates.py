@@ -282,6 +282,7 @@ def ray_ctx(runtime: str, head: bool) -> dict[str, Any]:
     ctx.update(
         ray_cluster_runtime=runtime,
         ray_cluster_env_file="/etc/sparkllm/cluster.env",
+        ray_cluster_temp_dir="/var/lib/sparkllm/ray/tmp",
         ray_cluster_container_volumes=["/srv/model:/model:ro"],
         _ray_cluster_role=role,
         _ray_cluster_is_head=head,
@@ -294,6 +295,10 @@ def ray_ctx(runtime: str, head: bool) -> dict[str, Any]:
         _ray_cluster_start_args=args,
         _ray_cluster_server_env={},
         _ray_cluster_rdma_args=["--device", "/dev/infiniband", "--ulimit", "memlock=-1:-1"],
+        _ray_cluster_hf_token=False,
+        _ray_cluster_hf_token_file="/var/lib/sparkllm/ray/hf-token",
+        _ray_cluster_hf_token_path=("/run/secrets/hf_token" if runtime == "container"
+                                    else "/var/lib/sparkllm/ray/hf-token"),
     )
     return ctx
 
@@ -310,6 +315,24 @@ def test_ray_unit_container_runs_ray_start_in_the_image() -> None:
     assert "--volume" in argv and "/srv/model:/model:ro" in argv
     assert unit_value(unit, "EnvironmentFile") == ["/etc/sparkllm/cluster.env"]
     assert "sha256 abc123" in unit  # a changed environment changes the unit, hence restarts Ray
+
+
+@pytest.mark.parametrize("runtime", ["container", "venv"])
+def test_ray_units_read_the_hf_token_from_a_file_only_when_a_drafter_downloads(runtime: str) -> None:
+    """A Hub drafter (DFlash's) is downloaded by every node's rank: the Ray unit names the root-only token
+    file (HF_TOKEN_PATH, the server container's path inside the Ray container); the token is in no unit."""
+    ctx = ray_ctx(runtime, head=False)
+    assert "HF_TOKEN" not in render("sparkllm-ray.service.j2", **ctx)
+    ctx["_ray_cluster_hf_token"] = True
+    unit = render("sparkllm-ray.service.j2", **ctx)
+    path = ctx["_ray_cluster_hf_token_path"]
+    assert f"HF_TOKEN_PATH={path}" in unit_value(unit, "Environment")
+    argv = shlex.split(unit_value(unit, "ExecStart")[0])
+    if runtime == "container":
+        assert _follows(argv, ["--volume", f"/var/lib/sparkllm/ray/hf-token:{path}:ro"])
+        assert _follows(argv, ["--env", f"HF_TOKEN_PATH={path}"]) and argv.index("--env") < argv.index(IMAGE)
+    else:
+        assert path == "/var/lib/sparkllm/ray/hf-token"
 
 
 def test_ray_unit_venv_worker() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -166,8 +167,8 @@ def _drops(head) -> int:
     return sum(e["counter"]["packets"] for rule in rules for e in rule["expr"] if "counter" in e)
 
 
-def _firewalled_ports(node) -> set[int]:
-    doc = json.loads(node.check_output("nft -j list set inet sparkllm ray_tcp_ports"))
+def _set_ports(node, name: str) -> set[int]:
+    doc = json.loads(node.check_output(f"nft -j list set inet sparkllm {name}"))
     ports: set[int] = set()
     for item in next(i["set"] for i in doc["nftables"] if "set" in i)["elem"]:
         if isinstance(item, dict):
@@ -176,6 +177,12 @@ def _firewalled_ports(node) -> set[int]:
         else:
             ports.add(item)
     return ports
+
+
+def _firewalled_ports(node) -> set[int]:
+    """Every port the link firewall closes: Ray's, the engine's and the exporters'."""
+    names = ("ray_tcp_ports", "engine_tcp_ports", "exporter_tcp_ports")
+    return set().union(*(_set_ports(node, n) for n in names))
 
 
 def _listeners(node) -> list[tuple[str, int, str]]:
@@ -190,7 +197,7 @@ def _listeners(node) -> list[tuple[str, int, str]]:
 
 def _wildcard_ray_port(head) -> int:
     """A firewalled port Ray listens on at every address (6379, the head's GCS, when it does)."""
-    allowed = _firewalled_ports(head)
+    allowed = _set_ports(head, "ray_tcp_ports")
     ports = sorted({p for a, p, _ in _listeners(head) if a in ("0.0.0.0", "*", "::") and p in allowed})
     assert ports, "Ray listens on no firewalled port at every address: nothing for the outsider to try"
     return 6379 if 6379 in ports else ports[0]
@@ -324,7 +331,8 @@ def test_each_node_keeps_its_own_link_settings_against_vllms_copy(head, worker):
     release). The head's list holds every name of its cluster file; a Ray task on the worker sees the worker's
     own interface, which differs from the head's here."""
     names = json.loads(head.file("/etc/sparkllm/vllm-ray-env-exclude.json").content_string)
-    assert names == sorted(_env(head))
+    # and HF_TOKEN_PATH: each node's Ray unit names its own token file
+    assert names == sorted([*_env(head), "HF_TOKEN_PATH"])
     assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES", "NCCL_IB_DISABLE"} <= set(names)
     assert not worker.file("/etc/sparkllm/vllm-ray-env-exclude.json").exists  # read by the head's server only
     head.check_output(f"cat > /tmp/worker_env.py <<'EOF'\n{_WORKER_ENV_SNIPPET}EOF")
@@ -346,3 +354,178 @@ def test_rdma_on_a_link_without_roce_is_refused_naming_the_interface(head, monke
     assert "link interface eth0 has no RoCE device (/sys/class/net/eth0/device/infiniband" in res.output
     assert "NCCL would fall back" in res.output and "spark_cluster_rdma=false" in res.output
     assert head.file("/etc/sparkllm/cluster.env").content_string == before
+
+
+# ------------------------------------------------------------------ every Spark guarded and watched
+
+HF_TOKEN = "hf_clustertest_not_a_real_token_5d1c"  # group_vars/spark.yml ray_cluster_hf_token
+GUARD_LINES_KIB = (268435456 // 1024, 134217728 // 1024)  # group_vars/spark.yml, the budget's lines
+
+# A Ray actor of vLLM's class name placed on the worker node: the process that holds the worker's GPU share in
+# Ray mode (0.19.1 v1/executor/ray_executor.py: ray.remote(...)(RayWorkerWrapper)); prints its pid and comm.
+_ACTOR_SNIPPET = """
+import json, os, sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == sys.argv[2])
+class RayWorkerWrapper:
+    def where(self):
+        path = os.environ.get("HF_TOKEN_PATH")
+        return {"pid": os.getpid(), "comm": open("/proc/self/comm").read().strip(),
+                "ip": ray.util.get_node_ip_address(), "token_path": path,
+                "token": open(path).read() if path else None}
+on_worker = NodeAffinitySchedulingStrategy(node, soft=False)
+Actor = ray.remote(num_cpus=0, scheduling_strategy=on_worker)(RayWorkerWrapper)
+a = Actor.remote()
+print(json.dumps(ray.get(a.where.remote(), timeout=120)))
+"""
+
+
+def _actor_on_worker(head) -> dict:
+    head.check_output(f"cat > /tmp/actor.py <<'EOF'\n{_ACTOR_SNIPPET}EOF")
+    out = head.check_output(f"env -i PATH=/usr/bin:/bin /opt/sparkllm/ray-venv/bin/python /tmp/actor.py "
+                            f"{HEAD_IP}:6379 {WORKER_IP}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _earlyoom_argv(node) -> list[str]:
+    pid = node.check_output("systemctl show -p MainPID --value earlyoom.service")
+    return node.check_output(f"tr '\\0' '\\n' < /proc/{pid}/cmdline").splitlines()
+
+
+def test_the_worker_is_guarded_at_the_budgets_lines_preferring_the_ray_actor(head, worker):
+    """earlyoom runs on the worker with the memory budget's lines; its --prefer rule matches the comm of a
+    real Ray actor of vLLM's RayWorkerWrapper class on that node, and not Ray's own daemons."""
+    import re
+
+    for node in (head, worker):
+        assert node.service("earlyoom.service").is_running and node.service("earlyoom.service").is_enabled
+    argv = _earlyoom_argv(worker)
+    assert argv[argv.index("-M") + 1] == f"{GUARD_LINES_KIB[0]},{GUARD_LINES_KIB[1]}"
+    prefer = re.compile(argv[argv.index("--prefer") + 1])
+    got = _actor_on_worker(head)
+    assert got["ip"] == WORKER_IP
+    comm = got["comm"]  # /proc/self/comm of the actor's process while it runs a method on the worker
+    print(f"RAY ACTOR COMM on the worker: {comm!r}")
+    assert comm.startswith("ray::RayWorkerW") and prefer.search(comm), (comm, prefer.pattern)
+    for daemon in ("raylet", "gcs_server"):
+        assert not prefer.search(daemon)
+    raylet = worker.check_output("pgrep -x raylet | head -1")
+    assert not prefer.search(worker.file(f"/proc/{raylet}/comm").content_string.strip())
+    # the hook stops the worker's Ray node after such a kill (its restart would take the actors back)
+    hook = worker.file("/usr/local/libexec/sparkllm/oom-hook").content_string
+    assert "systemctl stop --no-block sparkllm-ray-worker.service" in hook
+
+
+def test_the_workers_watchdog_judges_its_ray_node(worker):
+    timer = worker.service("sparkllm-watchdog.timer")
+    assert timer.is_enabled and timer.is_running
+    unit = worker.file("/etc/systemd/system/sparkllm-watchdog.service").content_string
+    assert "--unit sparkllm-ray-worker.service --ray-node http://127.0.0.1:52365" in unit
+    assert f"--ray-head {HEAD_IP}:6379" in unit and "--url" not in unit
+    worker.check_output("systemctl start sparkllm-watchdog.service")
+    state = json.loads(worker.file("/var/lib/sparkllm-ops/watchdog.json").content_string)
+    assert state["last"]["kind"] == "ok" and "Ray node alive" in state["last"]["reason"], state
+    assert state.get("failures", 0) == 0 and not state.get("ray_head")
+
+
+def test_rays_directories_are_closed_to_other_local_users(head, worker):
+    for node in (head, worker):
+        top = node.file("/var/lib/sparkllm/ray")
+        assert (top.user, top.group, top.mode) == ("root", "root", 0o700), node
+        # Ray makes its session directory 0777 at every start: the closed parent is what keeps others out
+        assert node.file("/var/lib/sparkllm/ray/tmp/session_latest").exists
+        denied = node.run("setpriv --reuid=65534 --regid=65534 --clear-groups ls /var/lib/sparkllm/ray/tmp")
+        assert denied.rc != 0 and "Permission denied" in denied.stderr, (node, denied.stdout)
+        assert node.run("setpriv --reuid=65534 --regid=65534 --clear-groups ls /var/lib/sparkllm/ray/tmp/"
+                        "session_latest/sockets").rc != 0
+
+
+def test_the_dashboard_listens_on_loopback_only(head, worker):
+    dash = [(a, p) for a, p, _ in _listeners(head) if p == 8265]
+    assert dash and all(a in ("127.0.0.1", "::1") for a, _ in dash), dash
+    assert head.run(f"python3 -c {shlex.quote(CONNECT)} 127.0.0.1 8265").rc == 0
+    assert worker.run(f"python3 -c {shlex.quote(CONNECT)} {HEAD_IP} 8265").rc != 0
+    assert not [(a, p) for a, p, _ in _listeners(worker) if p == 8265]
+
+
+def test_the_firewall_names_the_engines_pinned_ports(head, worker):
+    r"""VLLM_PORT (where vLLM's get_open_port scans from) and its range, the mp master port, the kernel's
+    ephemeral range (NCCL and Gloo listen there) and the exporters' ports are in the ruleset of both nodes."""
+    for node in (head, worker):
+        assert _env(node)["VLLM_PORT"] == "29600"
+        lo, hi = map(int, node.file("/proc/sys/net/ipv4/ip_local_port_range").content_string.split())
+        engine = _set_ports(node, "engine_tcp_ports")
+        assert set(range(29600, 29632)) | {29501} | set(range(lo, hi + 1)) <= engine
+        assert {9100, 9835} <= _set_ports(node, "exporter_tcp_ports")
+        ruleset = node.check_output("nft list table inet sparkllm")
+        assert "ct state established,related accept" in ruleset
+        # the live ruleset prints the counter's values: "counter packets N bytes M drop"
+        drop = (r'tcp dport @engine_tcp_ports counter packets \d+ bytes \d+ drop '
+                r'comment "engine port from outside')
+        assert re.search(drop, ruleset), ruleset
+
+
+_LISTEN = ("import socket,sys,time; s=socket.socket(); "
+           "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+           "s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(8); time.sleep(300)")
+
+
+def test_engine_ports_answer_the_link_but_not_the_outside(head, worker):
+    """A listener as torch.distributed's store (VLLM_PORT) and one as NCCL's or Gloo's (a port of the
+    kernel's ephemeral range), on every address of the head: the worker reaches them over the link, a host
+    outside does not."""
+    lo, _ = map(int, head.file("/proc/sys/net/ipv4/ip_local_port_range").content_string.split())
+    for port in (29600, lo + 777):
+        head.check_output(f"systemd-run --unit sparkllm-test-listen-{port} "
+                          f"python3 -c {shlex.quote(_LISTEN)} {port}")
+        try:
+            for _ in range(50):
+                if any(p == port for _, p, _ in _listeners(head)):
+                    break
+                subprocess.run(["sleep", "0.2"], check=True)
+            assert worker.run(f"python3 -c {shlex.quote(CONNECT)} {HEAD_IP} {port}").rc == 0, port
+            assert not _outsider_connects(LAN_HEAD_IP, port), port
+        finally:
+            head.run(f"systemctl stop sparkllm-test-listen-{port}")
+
+
+_GET = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+def _get_json(node, url: str) -> dict:
+    return json.loads(node.check_output(f"python3 -c {shlex.quote(_GET)} {shlex.quote(url)}"))
+
+
+def test_the_heads_prometheus_scrapes_the_workers_exporters_over_the_link(head, worker):
+    for port in (9100, 9835):
+        listening = [a for a, p, _ in _listeners(worker) if p == port]
+        assert listening == [WORKER_IP], (port, listening)  # the link address only
+    doc = _get_json(head, "http://127.0.0.1:9090/api/v1/targets?state=active")
+    targets = {(t["scrapePool"], t["labels"].get("node")): t for t in doc["data"]["activeTargets"]}
+    for job, port in (("node", 9100), ("gb10", 9835)):
+        t = targets[(job, "cluster-worker")]
+        assert t["health"] == "up" and t["scrapeUrl"] == f"http://{WORKER_IP}:{port}/metrics", t
+        assert targets[(job, "cluster-head")]["health"] == "up"
+    from urllib.parse import quote
+
+    q = _get_json(head, "http://127.0.0.1:9090/api/v1/query?query="
+                  + quote('gb10_power_draw_watts{node="cluster-worker"}'))
+    assert q["data"]["result"], q
+    fact = json.loads(worker.file("/etc/ansible/facts.d/spark_monitoring.fact").content_string)
+    assert fact["scraped_by"] == "cluster-head" and fact["prometheus_url"] is None
+    assert not worker.service("prometheus.service").is_running
+
+
+def test_the_hf_token_reaches_the_workers_rank_as_a_file_and_nowhere_else(head, worker):
+    f = worker.file("/var/lib/sparkllm/ray/hf-token")
+    assert (f.user, f.mode) == ("root", 0o600)
+    got = _actor_on_worker(head)
+    # what the worker's rank of vLLM would read for the drafter's download (huggingface_hub: HF_TOKEN_PATH)
+    assert got["token_path"] == "/var/lib/sparkllm/ray/hf-token" and got["token"] == HF_TOKEN
+    for node, unit in ((head, "sparkllm-ray-head"), (worker, "sparkllm-ray-worker")):
+        assert HF_TOKEN not in node.file(f"/etc/systemd/system/{unit}.service").content_string
+        assert node.run(f"journalctl --no-pager -u {unit} | grep -c {HF_TOKEN}").stdout.strip() == "0"
+        pid = node.check_output(f"systemctl show -p MainPID --value {unit}")
+        assert HF_TOKEN not in node.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
