@@ -124,7 +124,7 @@ def _is_set(v: Any) -> bool:
 def method_problems(settings: dict[str, Any]) -> dict[str, str]:
     """method -> why the sweep cannot serve it with these settings (absent when it can)."""
     catalogue: dict[str, Any] = settings.get("spark_method_catalogue") or {}
-    deployed = [settings.get("spec_method", "mtp"), *(settings.get("vllm_build_methods") or [])]
+    deployed = [settings.get("spec_method"), *(settings.get("vllm_build_methods") or [])]
     built = {catalogue[m]["vllm_variant"] for m in deployed if m in catalogue}
     problems: dict[str, str] = {}
     for name, entry in catalogue.items():
