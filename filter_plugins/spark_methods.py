@@ -1,11 +1,11 @@
 """Method catalogue + user settings -> vLLM serve arguments, and validation of those settings.
 
-Pure Python (standard library only); Ansible only needs the ``FilterModule`` at the bottom.
+Pure Python (PyYAML, which Ansible itself needs); Ansible only needs the ``FilterModule`` at the bottom.
 
-``settings`` is a mapping of the user knobs by their variable names (defaults in
-``group_vars/all/main.yml``; a key that is missing takes the same default, see
-``SETTING_DEFAULTS``).  ``catalogue`` is ``spark_method_catalogue`` from
-``group_vars/all/methods.yml``.
+``settings`` is a mapping of the user knobs by their variable names. The knobs and their defaults are
+``group_vars/all/main.yml``, read at import (``SETTING_DEFAULTS``: a key that is missing from
+``settings`` takes that default; nothing here repeats a name or a value of main.yml). ``catalogue``
+is ``spark_method_catalogue`` from ``group_vars/all/methods.yml``.
 
 A few settings are not user knobs in main.yml; roles add them when they apply:
 
@@ -28,45 +28,41 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
-SETTING_DEFAULTS: dict[str, object] = {
-    "spec_method": "mtp",
-    "spec_num_speculative_tokens": None,
-    "spec_ngram_lookup_min": None,
-    "spec_ngram_lookup_max": None,
-    "spec_eagle3_drafter": "",
-    "spec_dflash_drafter": "z-lab/Qwen3.5-122B-A10B-DFlash",
-    "spec_eagle3_drafter_revision": "",
-    "spec_dflash_drafter_revision": "",
-    "spec_dflash_attention_backend": "",
-    "vllm_gpu_memory_utilization": 0.85,
-    "vllm_max_model_len": 262144,
-    "vllm_host": "127.0.0.1",
-    "vllm_port": 8000,
-    "vllm_served_model_name": "qwen3.5-122b",
-    "vllm_reasoning_parser": "qwen3",
-    "vllm_api_key_file": "",
-    "vllm_allow_unauthenticated_bind": False,
-    "spark_model_dir": "/srv/models/qwen3.5-122b-hybrid",
-    "spark_tensor_parallel_size": 1,
-    "spark_distributed_backend": None,
-    "vllm_attention_backend": "",
-    "vllm_attention_backends": {},
-    "vllm_enable_auto_tool_choice": True,
-    "vllm_tool_call_parser": "qwen3_coder",
-    "vllm_enable_prefix_caching": False,
-    "vllm_max_num_seqs": 4,
-    "vllm_load_format": "fastsafetensors",
-    "vllm_lm_head_int8": False,
-    "vllm_serve_extra_args": [],
-    "spark_bad_driver_enforce_eager": False,
-    # not in main.yml (see the module docstring)
+import yaml
+
+
+class CatalogueError(ValueError):
+    """The catalogue itself (methods.yml) is malformed: a bug in the project, not user input."""
+
+
+# The user knobs and their defaults are read from group_vars/all/main.yml, their one home (a knob added
+# there is a setting here, with the same default). A name missing from ``settings`` takes that default.
+MAIN_YML = Path(__file__).resolve().parents[1] / "group_vars" / "all" / "main.yml"
+# Settings that are not user knobs in main.yml (see the module docstring): the roles add them.
+ROLE_SETTING_DEFAULTS: dict[str, object] = {
     "vllm_model_path": "/model",
     "spark_nnodes": 1,
     "spark_node_rank": 0,
     "spark_master_addr": "",
     "spark_master_port": None,
 }
+
+
+def _load_knob_defaults(path: Path = MAIN_YML) -> dict[str, object]:
+    """The knobs of main.yml with their defaults, plus ROLE_SETTING_DEFAULTS (a name in both is refused:
+    it would have two defaults)."""
+    knobs = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(knobs, dict) or not knobs:
+        raise CatalogueError(f"{path}: expected a mapping of user knobs to their defaults")
+    both = sorted(set(knobs) & set(ROLE_SETTING_DEFAULTS))
+    if both:
+        raise CatalogueError(f"{path} defines {both}, which ROLE_SETTING_DEFAULTS in {__file__} defines too")
+    return {**knobs, **ROLE_SETTING_DEFAULTS}
+
+
+SETTING_DEFAULTS: dict[str, object] = _load_knob_defaults()
 
 DISTRIBUTED_BACKENDS = (None, "ray", "mp")
 # A Hub revision: a commit SHA, a branch or a tag (no spaces, no "..", not starting with a dash).
@@ -119,10 +115,6 @@ _ENV_NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
 _ENV_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:/=+-]*")
 
 _JSON_HINT = "pass numbers and booleans as JSON, e.g. -e '{{\"{name}\": {example}}}'"
-
-
-class CatalogueError(ValueError):
-    """The catalogue itself (methods.yml) is malformed: a bug in the project, not user input."""
 
 
 def _get(settings: Mapping, name: str):

@@ -1,12 +1,11 @@
 """Two-Spark inventories checked up front (playbooks/validate.yml), before the build and the download.
 
-Pure Python (standard library only); Ansible only needs the ``FilterModule`` at the bottom.
+Pure Python (PyYAML, which Ansible itself needs); Ansible only needs the ``FilterModule`` at the bottom.
 
 The cluster stage (roles/spark_link, roles/ray_cluster) checks the same settings again on the hosts;
 this filter sees only the inventory, so it catches a missing or malformed setting in seconds instead
 of after an hour of build and download. Role defaults are not host variables: the defaults that the
-link and cluster roles would take are given here (the same as their defaults/main.yml; a unit test
-holds them equal).
+link and cluster roles would take are read from their defaults/main.yml (``DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -14,14 +13,27 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
-DEFAULTS: dict[str, object] = {
-    "spark_link_manage": False,
-    "spark_link_interfaces": ["enp1s0f0np0", "enP2p1s0f0np0"],
-    "spark_link_addresses": [],
-    "spark_link_nccl_interface": "",
-    "ray_cluster_gpus_per_node": 1,
-}
+import yaml
+
+_ROLES = Path(__file__).resolve().parents[1] / "roles"
+# The defaults of another node's variables (a worker's hostvars may not hold them): read from the roles that
+# define them, their one home (PyYAML, which Ansible itself needs).
+_DEFAULT_NAMES = {"spark_link": ("spark_link_manage", "spark_link_interfaces", "spark_link_addresses",
+                                 "spark_link_nccl_interface"),
+                  "ray_cluster": ("ray_cluster_gpus_per_node",)}
+
+
+def _role_defaults() -> dict[str, object]:
+    out: dict[str, object] = {}
+    for role, names in _DEFAULT_NAMES.items():
+        values = yaml.safe_load((_ROLES / role / "defaults" / "main.yml").read_text(encoding="utf-8")) or {}
+        out.update({name: values[name] for name in names})
+    return out
+
+
+DEFAULTS: dict[str, object] = _role_defaults()
 _IFACE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,15}")
 _EXAMPLE = "inventory/examples/two-sparks.yml"
 

@@ -21,8 +21,8 @@ repetition index.  Each cell drives ``site.yml`` through ansible-runner with tag
 ``cluster,serve,bench`` (MEASURE_TAGS; the cluster stage ends at once on one Spark, and on several it
 gives the Ray units the new method's image and environment)
 and extravars ``spec_method``, ``spec_num_speculative_tokens``, ``bench_label``,
-``bench_repetition``, ``bench_config_hash`` (plus ``bench_results_dir``, the controller results
-directory, and anything from ``--extra-vars``).
+``bench_repetition``, ``bench_cell`` (the cell's description, from which the bench role computes its
+hash; plus ``bench_results_dir``, the controller results directory, and anything from ``--extra-vars``).
 
 Load points: every cell measures each concurrency level of ``--concurrency`` (closed loop) and each
 rate of ``--request-rate`` (open loop, Poisson arrivals, goodput against ``--goodput``), at each depth
@@ -30,16 +30,17 @@ of ``--depth`` (they set bench_concurrency, bench_request_rate, bench_goodput an
 in ``--extra-vars`` instead they mean the same). With ``--request-rate`` and no ``--concurrency`` only
 rates are measured.
 
-Configuration hash: sha256 over the canonical JSON of {method, k, extra_vars without the load-point
-lists (LOAD_POINT_VARS)}, first 16 hex digits: one served configuration, whatever loads it is
-measured at.  Resume: a load point of a cell is done when the store holds a *valid* run with the
-same configuration hash, repetition, concurrency level (or request rate) and depth (invalid runs are
-retried); a cell whose points are all done is skipped, a cell with some done runs only the missing
-levels, rates and depths (with bench_force, since the bench role's own check knows only the hash and
-repetition).  The end: ``bench.py report`` on the results directory and the best configuration
-(highest median decode tok/s over valid runs at ``--optimise-concurrency``, or the highest goodput at
-``--optimise-rate``, leaving out rows whose outputs differ from the baseline's); ``--leave-best``
-reruns the serve stage for it.
+Configuration hash: filter_plugins/spark_bench.py, the bench role's own implementation: sha256 over
+the canonical JSON of {method, k, extra_vars without the load-point lists (LOAD_POINT_VARS)}, first 16
+hex digits: one served configuration, whatever loads it is measured at.  Resume: a load point of a
+cell is done when the store holds a *valid* run with the same configuration hash, repetition,
+concurrency level (or request rate) and depth (invalid runs are retried); a cell whose points are
+all done is skipped, a cell with some done runs only the missing levels, rates and depths (with
+bench_force, since the bench role's own check knows only the hash and repetition).  The end:
+``bench.py report`` on the results directory and the best configuration (highest median decode
+tok/s over valid runs at ``--optimise-concurrency``, or the highest goodput at ``--optimise-rate``,
+leaving out rows whose outputs differ from the baseline's); ``--leave-best`` reruns the serve stage
+for it.
 
 A failed cell is reported with the failing task, its host and its message (from ansible-runner's
 events); the runner's artifacts (stdout, events) are kept under ``DIR/runner/<label>-rep<N>-<time>/``.
@@ -56,7 +57,6 @@ The ansible-runner call is injectable (``Sweep(runner=...)``) so tests replace i
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -74,6 +74,7 @@ from sparkllm.cli import UsageError, doc_parser, run_main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETTINGS_DIR = REPO_ROOT / "group_vars" / "all"
+BENCH_DEFAULTS = REPO_ROOT / "roles" / "bench" / "defaults" / "main.yml"
 RUNNER_DIRNAME = "runner"  # ansible-runner artifacts of every cell, under the results directory
 # The stages a cell runs, and the ones that leave the best configuration serving. The cluster stage comes
 # with serve: on several Sparks the Ray head and workers run the method's vLLM image with the server's
@@ -81,8 +82,23 @@ RUNNER_DIRNAME = "runner"  # ansible-runner artifacts of every cell, under the r
 # stage ends at its first task.
 MEASURE_TAGS = "cluster,serve,bench"
 SERVE_TAGS = "cluster,serve"
+
+
+def _filter_plugin(name: str) -> Any:
+    """A module of filter_plugins/ (the same code Ansible runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_{name}", REPO_ROOT / "filter_plugins" / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# The cell identity, one implementation with the bench role's (filter_plugins/spark_bench.py).
+_CELLS = _filter_plugin("spark_bench")
 # the bench role's load-point lists: what a cell is measured at, not what is served (not in the hash)
-LOAD_POINT_VARS = ("bench_concurrency", "bench_request_rate", "bench_depth")
+LOAD_POINT_VARS = _CELLS.LOAD_POINT_VARS
 
 
 def load_settings(settings_dir: Path = SETTINGS_DIR) -> dict[str, Any]:
@@ -104,7 +120,7 @@ def _is_set(v: Any) -> bool:
 def method_problems(settings: dict[str, Any]) -> dict[str, str]:
     """method -> why the sweep cannot serve it with these settings (absent when it can)."""
     catalogue: dict[str, Any] = settings.get("spark_method_catalogue") or {}
-    deployed = [settings.get("spec_method", "mtp"), *(settings.get("vllm_build_methods") or [])]
+    deployed = [settings.get("spec_method"), *(settings.get("vllm_build_methods") or [])]
     built = {catalogue[m]["vllm_variant"] for m in deployed if m in catalogue}
     problems: dict[str, str] = {}
     for name, entry in catalogue.items():
@@ -132,17 +148,19 @@ class CellConfig:
         return f"{self.method}-k{self.k}" if self.k is not None else self.method
 
     @property
+    def cell(self) -> dict[str, Any]:
+        """The description of this cell the bench role hashes (bench_cell)."""
+        return _CELLS.spark_sweep_cell(self.method, self.k, json.loads(self.extra_vars_json))
+
+    @property
     def config_hash(self) -> str:
-        ev = {k: v for k, v in json.loads(self.extra_vars_json).items() if k not in LOAD_POINT_VARS}
-        body = {"method": self.method, "k": self.k, "extra_vars": ev}
-        canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+        return _CELLS.spark_cell_hash(self.cell)
 
     def extravars(self, repetition: int, results_dir: Path) -> dict[str, Any]:
         ev: dict[str, Any] = dict(json.loads(self.extra_vars_json))
         ev.update({"spec_method": self.method, "spec_num_speculative_tokens": self.k,
                    "bench_label": self.label, "bench_repetition": repetition,
-                   "bench_config_hash": self.config_hash, "bench_results_dir": str(results_dir)})
+                   "bench_cell": self.cell, "bench_results_dir": str(results_dir)})
         return ev
 
 
@@ -303,9 +321,9 @@ def _rate_key(r: Any) -> float | None:
 class LoadPoints:
     """What every cell is measured at (the bench role's lists)."""
 
-    concurrency: tuple[int, ...] = (1,)
-    rates: tuple[float, ...] = ()
-    depths: tuple[int, ...] = (0,)
+    concurrency: tuple[int, ...]
+    rates: tuple[float, ...]
+    depths: tuple[int, ...]
 
     @property
     def points(self) -> list[Point]:
@@ -323,15 +341,24 @@ class LoadPoints:
                 "bench_depth": ",".join(str(d) for d in sorted({d for *_, d in pts}))}
 
 
+def bench_defaults(path: Path = BENCH_DEFAULTS) -> dict[str, Any]:
+    """The bench role's defaults (roles/bench/defaults/main.yml, the one home of its load-point lists)."""
+    import yaml  # controller only (comes with ansible-core)
+
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+
+
 def load_points(settings: dict[str, Any]) -> LoadPoints:
     """The load points from the settings (extra vars over group_vars; the role's defaults otherwise)."""
+    settings = {**{k: v for k, v in bench_defaults().items() if k in (*LOAD_POINT_VARS, "bench_goodput")},
+                **settings}
     try:
-        conc_text = str(settings.get("bench_concurrency", "1") or "")
-        rate_text = str(settings.get("bench_request_rate", "") or "")
+        conc_text = str(settings["bench_concurrency"] or "")
+        rate_text = str(settings["bench_request_rate"] or "")
         conc = bench_cli.int_list(conc_text, "--concurrency", 1) if conc_text else []
         rates = bench_rate.rate_list(rate_text) if rate_text else []
-        depths = bench_cli.int_list(str(settings.get("bench_depth", "0") or "0"), "--depth", 0)
-        bench_rate.parse_goodput(str(settings.get("bench_goodput", "") or "") or None)
+        depths = bench_cli.int_list(str(settings["bench_depth"] or "0"), "--depth", 0)
+        bench_rate.parse_goodput(str(settings["bench_goodput"] or "") or None)
     except bench_cli.UsageError as exc:
         raise UsageError(str(exc)) from None
     if not conc and not rates:
@@ -415,7 +442,7 @@ class Sweep:
     charts: bool = True
     optimise_concurrency: int = 1  # the level whose best row is "best" (bench_analysis.best_row)
     optimise_rate: float | None = None  # or the offered rate whose best row is "best" (best_rate_row)
-    load: LoadPoints = field(default_factory=LoadPoints)
+    load: LoadPoints = field(default_factory=lambda: load_points({}))  # the bench role's defaults
     allow_unchecked: bool = False  # may the best be a row whose outputs were never compared with a baseline
     baseline: str = "baseline"
 

@@ -31,7 +31,11 @@ def test_roles_found() -> None:
     assert len(ROLES) >= 9, [r.name for r in ROLES]
 
 
-def test_spec_method_choices_are_the_catalogue() -> None:
+def test_spec_method_choices_are_generated_from_the_catalogue() -> None:
+    """Every spec_method choices line is the generator's (scripts/role_docs.py writes it from the
+    catalogue; role_docs --check, run below, fails when one is stale)."""
+    import role_docs
+
     methods = catalogue_methods()
     assert len(methods) >= 5
     seen = []
@@ -40,13 +44,33 @@ def test_spec_method_choices_are_the_catalogue() -> None:
         if opt is None:
             continue
         seen.append(role.name)
-        choices = opt.get("choices")
-        assert choices is not None, f"roles/{role.name}: spec_method has no choices"
-        assert sorted(choices) == sorted(methods) and len(choices) == len(set(choices)), (
-            f"roles/{role.name}/meta/argument_specs.yml: spec_method choices {choices} differ from the "
-            f"catalogue's methods {methods} (group_vars/all/methods.yml): update the choices"
+        assert opt.get("choices") == methods, f"roles/{role.name}: run scripts/role_docs.py"
+        text = (role / "meta" / "argument_specs.yml").read_text()
+        lines = [line for line in text.splitlines() if line.strip().startswith("choices:")
+                 and set(methods) & set(yaml.safe_load(line)["choices"])]
+        assert lines and all(role_docs.METHODS_MARK in line for line in lines), (
+            f"roles/{role.name}/meta/argument_specs.yml: a choices line naming methods lacks the marker "
+            f"{role_docs.METHODS_MARK!r}, so the generator would not keep it equal to the catalogue"
         )
-    assert {"serve", "bench"} <= set(seen), seen  # the test checks something
+    assert {"serve", "bench", "spark_ops", "spark_monitoring"} <= set(seen), seen  # the test checks something
+
+
+def test_role_docs_rewrites_stale_method_choices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    import role_docs
+
+    role = tmp_path / "roles" / "bench"
+    shutil.copytree(ROOT / "roles" / "bench", role)
+    spec = role / "meta" / "argument_specs.yml"
+    text = spec.read_text()
+    stale = text.replace("choices: [baseline, ngram, mtp, eagle3, dflash]", "choices: [baseline, mtp]")
+    assert stale != text
+    spec.write_text(stale)
+    assert role_docs.main(["--check", "--roles", str(tmp_path / "roles")]) == 1
+    assert "method choices differ from spark_method_catalogue" in capsys.readouterr().err
+    assert role_docs.main(["--roles", str(tmp_path / "roles")]) == 0
+    assert spec.read_text() == text
 
 
 def test_no_other_option_hard_codes_methods() -> None:

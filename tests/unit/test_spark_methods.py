@@ -81,23 +81,20 @@ def test_method_variant_errors(methods_yml, catalogue):
         spark_method_variant("dflash", catalogue, {"v0_19_1": {}})
 
 
-def test_plugin_defaults_match_main_yml(main_yml):
-    for name, value in main_yml.items():
-        assert SETTING_DEFAULTS[name] == value, name
-        assert type(SETTING_DEFAULTS[name]) is type(value), name
-    required = {
-        "spec_method", "spec_num_speculative_tokens", "spec_ngram_lookup_min", "spec_ngram_lookup_max",
-        "spec_eagle3_drafter", "spec_dflash_drafter", "spec_eagle3_drafter_revision",
-        "spec_dflash_drafter_revision", "spec_dflash_attention_backend", "vllm_gpu_memory_utilization",
-        "vllm_max_model_len",
-        "vllm_host", "vllm_port", "vllm_served_model_name", "vllm_reasoning_parser", "vllm_api_key_file",
-        "vllm_allow_unauthenticated_bind", "spark_model_dir", "spark_tensor_parallel_size",
-        "spark_distributed_backend", "vllm_attention_backend", "vllm_serve_extra_args",
-        "vllm_attention_backends", "vllm_enable_auto_tool_choice", "vllm_tool_call_parser",
-        "vllm_enable_prefix_caching", "vllm_max_num_seqs", "vllm_load_format", "vllm_lm_head_int8",
-        "spark_bad_driver_enforce_eager",
-    }
-    assert set(main_yml) == required
+def test_plugin_defaults_are_read_from_main_yml(main_yml, tmp_path):
+    """The filter's knobs and defaults are main.yml itself (plus the role-supplied settings), not a copy:
+    a knob added to main.yml is a setting with its default, and a name in both places is refused."""
+    import spark_methods
+
+    assert {k: SETTING_DEFAULTS[k] for k in main_yml} == main_yml
+    assert set(SETTING_DEFAULTS) == set(main_yml) | set(spark_methods.ROLE_SETTING_DEFAULTS)
+    grown = tmp_path / "main.yml"
+    grown.write_text((GROUP_VARS / "main.yml").read_text() + "# a new knob\nvllm_new_knob: 7\n")
+    assert spark_methods._load_knob_defaults(grown)["vllm_new_knob"] == 7
+    twice = tmp_path / "twice.yml"
+    twice.write_text((GROUP_VARS / "main.yml").read_text() + "vllm_model_path: /m\n")
+    with pytest.raises(CatalogueError, match="vllm_model_path"):
+        spark_methods._load_knob_defaults(twice)
 
 
 def test_serve_role_builds_its_settings_with_the_one_builder():

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import sweep
 from bench_helpers import fake_doc, run_sweep_cell
+from spark_bench import spark_cell_hash
 
 SPEEDS = {"baseline": 10.0, "ngram": 9.0, "mtp-k1": 12.0, "mtp-k2": 14.0, "mtp-k4": 13.0}
 
@@ -29,7 +30,7 @@ class FakeRunner:
             label, rep = ev["bench_label"], ev["bench_repetition"]
             valid = (label, rep) not in self.invalid
             doc = fake_doc(label, rep, [SPEEDS[label] * (1 + 0.01 * rep)] * 3, valid=valid,
-                           method=ev["spec_method"], config_hash=ev["bench_config_hash"],
+                           method=ev["spec_method"], config_hash=spark_cell_hash(ev["bench_cell"]),
                            run_id=f"run-{label}-{rep}-{len(self.calls)}")
             Path(ev["bench_results_dir"], f"{doc['run_id']}.json").write_text(json.dumps(doc))
         return sweep.RunOutcome(True, "successful", 0)
@@ -50,7 +51,8 @@ def test_grid_and_hash() -> None:
     ev = cfgs[1].extravars(3, Path("/r"))
     assert ev["spec_method"] == "mtp" and ev["spec_num_speculative_tokens"] == 1
     assert ev["bench_repetition"] == 3 and ev["bench_label"] == "mtp-k1"
-    assert ev["bench_config_hash"] == cfgs[1].config_hash
+    assert "bench_config_hash" not in ev  # the role computes it from the cell's description
+    assert spark_cell_hash(ev["bench_cell"]) == cfgs[1].config_hash
 
 
 def test_interleaved_and_best(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,7 +111,7 @@ def test_real_ansible_runner_wiring(tmp_path: Path) -> None:
     - name: Bench stage
       ansible.builtin.copy:
         dest: "{out}"
-        content: "{{{{ bench_label }}}} {{{{ bench_repetition }}}} {{{{ bench_config_hash }}}}"
+        content: "{{{{ bench_label }}}} {{{{ bench_repetition }}}} {{{{ bench_cell | to_json }}}}"
         mode: "0644"
       tags: [bench]
     - name: Untagged stage must not run
@@ -121,7 +123,8 @@ def test_real_ansible_runner_wiring(tmp_path: Path) -> None:
 """)
     cfg, outcome = run_sweep_cell(tmp_path, site)
     assert outcome.ok, outcome
-    assert out.read_text() == f"mtp-k2 1 {cfg.config_hash}"
+    label, rep, cell = out.read_text().split(" ", 2)
+    assert (label, rep) == ("mtp-k2", "1") and spark_cell_hash(json.loads(cell)) == cfg.config_hash
     assert (tmp_path / "serve.txt").read_text() == "mtp"
     assert not (tmp_path / "other.txt").exists()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import sweep
 from bench_helpers import fake_doc, run_sweep_cell
+from spark_bench import spark_cell_hash
 
 
 def test_real_runner_failure_names_task_and_message_and_keeps_artifacts(tmp_path: Path) -> None:
@@ -95,7 +96,7 @@ def test_default_run_leaves_out_and_names_unmet_methods(tmp_path: Path,
         ev = req.extravars
         seen.append(ev["spec_method"])
         doc = fake_doc(ev["bench_label"], ev["bench_repetition"], [10.0], method=ev["spec_method"],
-                       config_hash=ev["bench_config_hash"], run_id=f"r-{len(seen)}")
+                       config_hash=spark_cell_hash(ev["bench_cell"]), run_id=f"r-{len(seen)}")
         Path(ev["bench_results_dir"], f"{doc['run_id']}.json").write_text(json.dumps(doc))
         return sweep.RunOutcome(True, "successful", 0)
 

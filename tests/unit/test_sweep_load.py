@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import sweep
 from bench_helpers import fake_doc
+from spark_bench import spark_cell_hash
 
 SPEEDS = {"baseline": 10.0, "mtp-k2": 14.0}
 
@@ -35,7 +36,7 @@ class LoadRunner:
             label, rep = ev["bench_label"], ev["bench_repetition"]
             speed = SPEEDS[label] / (conc or 1)
             doc = fake_doc(label, rep, [speed] * 3, method=ev["spec_method"],
-                           config_hash=ev["bench_config_hash"],
+                           config_hash=spark_cell_hash(ev["bench_cell"]),
                            run_id=f"run-{label}-{rep}-c{conc}-r{rate}-{len(self.calls)}")
             doc["meta"]["concurrency"] = conc
             doc["meta"]["request_rate"] = rate

@@ -441,6 +441,9 @@ def dockerfile_ctx(extra_prs: list[dict]) -> dict[str, Any]:
         "build_requirements": ["requirements/build.txt"],  # that release's own path (spark_vllm_variants)
         "toolchain": methods["spark_vllm_variants"]["v0_26_dflash"]["toolchain"],
     }
+    from test_dockerfile import lock_files  # (it imports this module)
+
+    ctx["_vllm_build_lock"] = lock_files("v0_26_dflash", from_source=True)  # what build.yml reads
     return ctx
 
 
@@ -451,6 +454,7 @@ def test_dockerfile_stages_pins_and_prs() -> None:
     assert text.startswith("# vLLM v0.20.0 + PR 40898 for the DGX Spark")  # the Jinja comment renders nothing
     assert re.findall(r"(?m)^FROM (\S+) AS (\w+)$", text) == [
         (ctx["vllm_build_base_image"], "base"),
+        ("base", "flashinfer_aot"),  # its own stage: runtime rebuilds reuse its kernels
         ("base", "build"),
         ("base", "runtime"),
         ("runtime", "patched"),
@@ -458,10 +462,9 @@ def test_dockerfile_stages_pins_and_prs() -> None:
     assert "TORCH_CUDA_ARCH_LIST=12.1a" in text and "git checkout --detach v0.20.0" in text
     assert f"for spec in 40898={sha} ; do" in text and "refs/pull" not in text
     base = text.split("FROM base AS build")[0]
-    for name, version in ctx["_vllm_build_cfg"]["toolchain"].items():
-        if name.startswith(("torch", "triton")):
-            assert f" {name} " in base, name  # installed in base under the constraints file
-        assert f"=={version}" not in text  # pins live in the constraints file, not the Dockerfile
+    assert "--require-hashes" in base  # base installs the variant's lock (test_image_lock.py holds its content)
+    for _name, version in ctx["_vllm_build_cfg"]["toolchain"].items():
+        assert f"=={version}" not in text  # pins live in the lock files, not the Dockerfile
     assert "for spec in" not in render("Dockerfile.j2", **dockerfile_ctx([]))
 
 
@@ -482,17 +485,25 @@ def test_dockerfile_blocks_can_be_overridden() -> None:
     assert "RUN echo mine" in text and "vllm-*.whl" not in text and "FROM base AS build" in text
 
 
-def test_molecule_serve_override_is_the_template_plus_its_two_lines() -> None:
-    """molecule/serve overrides serve_unit_template with a user's copy; the copy must stay the project's
-    unit plus its two marker lines, so the scenario keeps testing the real unit (update the copy when
-    templates/sparkllm-vllm.service.j2 changes)."""
-    ours = (TEMPLATES / "sparkllm-vllm.service.j2").read_text().splitlines()
-    copy = (ROOT / "molecule" / "serve" / "templates" / "sparkllm-vllm.service.j2").read_text().splitlines()
-    added = [line for line in copy if line not in ours]
-    assert [line for line in copy if line not in added] == ours
-    assert added == [
+def test_molecule_serve_renders_the_one_unit_template() -> None:
+    """molecule/serve overrides serve_unit_template with a user's copy that its prepare.yml makes from
+    templates/sparkllm-vllm.service.j2 (plus two marker lines): no second unit template is kept in the
+    tree, so the scenario always tests the real unit."""
+    scenario = ROOT / "molecule" / "serve"
+    copies = [p for p in scenario.rglob("*.j2")]
+    assert not copies, f"{copies}: molecule/serve keeps a copy of a template; derive it in prepare.yml"
+    host_vars = yaml.safe_load((scenario / "host_vars" / "spark-serve.yml").read_text())
+    target = "/user-templates/sparkllm-vllm.service.j2"
+    assert host_vars["serve_unit_template"].endswith(target)
+    assert "MOLECULE_EPHEMERAL_DIRECTORY" in host_vars["serve_unit_template"]
+    plays = yaml.safe_load((scenario / "prepare.yml").read_text())
+    tasks = [t for p in plays if p["hosts"] == "localhost" for t in p["tasks"]]
+    copy = next(t["ansible.builtin.copy"] for t in tasks if "ansible.builtin.copy" in t)
+    assert copy["src"].endswith("/templates/sparkllm-vllm.service.j2")
+    assert copy["dest"] == "{{ _user_templates }}/sparkllm-vllm.service.j2"
+    marks = next(t for t in tasks if "ansible.builtin.lineinfile" in t)
+    assert [m["line"] for m in marks["loop"]] == [
         "# User unit template (molecule serve: serve_unit_template points here, not at templates/).",
         "Environment=SPARKLLM_UNIT_TEMPLATE=molecule-serve-override",
     ]
-    host_vars = yaml.safe_load((ROOT / "molecule" / "serve" / "host_vars" / "spark-serve.yml").read_text())
-    assert host_vars["serve_unit_template"].endswith("/molecule/serve/templates/sparkllm-vllm.service.j2")
+    assert "[Service]" in (TEMPLATES / "sparkllm-vllm.service.j2").read_text().splitlines()
