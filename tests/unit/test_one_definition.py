@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # name -> why its second definition is a different thing (not a repeated default)
 ALLOWED: dict[str, str] = {
     "spark_master_port": (
-        "default(29501, true) in roles/spark_link/vars names the port vLLM itself takes when the knob is null "
+        "default(29501, true) in roles/spark_link/vars names the port vLLM takes when the knob is null "
         "(no --master-port; vLLM's config/parallel.py default), for the firewall: the meaning of null, not a "
         "second default of the knob (the filter keeps None)"
     ),

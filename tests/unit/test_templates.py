@@ -462,7 +462,7 @@ def test_dockerfile_stages_pins_and_prs() -> None:
     assert "TORCH_CUDA_ARCH_LIST=12.1a" in text and "git checkout --detach v0.20.0" in text
     assert f"for spec in 40898={sha} ; do" in text and "refs/pull" not in text
     base = text.split("FROM base AS build")[0]
-    assert "--require-hashes" in base  # base installs the variant's lock (test_image_lock.py holds its content)
+    assert "--require-hashes" in base  # base installs the lock (test_image_lock.py holds its content)
     for _name, version in ctx["_vllm_build_cfg"]["toolchain"].items():
         assert f"=={version}" not in text  # pins live in the lock files, not the Dockerfile
     assert "for spec in" not in render("Dockerfile.j2", **dockerfile_ctx([]))
