@@ -378,7 +378,8 @@ def test_rerun_during_a_running_build_follows_it(host):
     thread.join(timeout=900)
     assert second.rc == 0, second.output[-3000:]
     assert first["res"].rc == 0, first["res"].output[-3000:]
-    assert f"is already running (job {started_by_first['jid']})" in _flat(second.output)
+    following = f"is already running (job {started_by_first['jid']})"
+    assert following in _flat(second.output), second.output[-3000:]
     assert host.file(LOG).content_string.count("# sparkllm-image-build started") == 1
     new = _fact(host)["variants"]["v0_19_1"]
     assert new["image"] == started_by_first["tag"] != old["image"]
