@@ -100,13 +100,8 @@ def test_parse_metrics_sums_engines_and_names_what_is_missing() -> None:
 
 
 # ------------------------------------------------------------------ whole runs against the stand-in
-@pytest.fixture
-def bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    wedge, engine_wedge = tmp_path / "wedge", tmp_path / "engine-wedge"
-    monkeypatch.setenv("STANDIN_WEDGE_FILE", str(wedge))
-    monkeypatch.setenv("STANDIN_ENGINE_WEDGE_FILE", str(engine_wedge))
-    calls = tmp_path / "calls"
-    fake = tmp_path / "systemctl"
+def _fake_systemctl(tmp_path: Path, fake: Path, calls: Path) -> None:
+    """A systemctl that reports tmp_path/active as the unit's state and records every other call."""
     fake.write_text(
         "#!/bin/sh\n"
         f'if [ "$1" = show ]; then echo ActiveState=$(cat {tmp_path}/active); echo InvocationID=inv1; '
@@ -115,6 +110,16 @@ def bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     )
     fake.chmod(0o755)
     (tmp_path / "active").write_text("active\n")
+
+
+@pytest.fixture
+def bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    wedge, engine_wedge = tmp_path / "wedge", tmp_path / "engine-wedge"
+    monkeypatch.setenv("STANDIN_WEDGE_FILE", str(wedge))
+    monkeypatch.setenv("STANDIN_ENGINE_WEDGE_FILE", str(engine_wedge))
+    calls = tmp_path / "calls"
+    fake = tmp_path / "systemctl"
+    _fake_systemctl(tmp_path, fake, calls)
     srv = StandinServer(Config(model="m", max_running=2, step_time=0.01)).start()
     yield tmp_path, wedge, engine_wedge, calls, fake, srv
     wedge.unlink(missing_ok=True)
@@ -403,14 +408,7 @@ def _closed_port() -> int:
 @pytest.fixture
 def ray_bed(tmp_path: Path):
     calls, fake = tmp_path / "calls", tmp_path / "systemctl"
-    fake.write_text(
-        "#!/bin/sh\n"
-        f'if [ "$1" = show ]; then echo ActiveState=$(cat {tmp_path}/active); echo InvocationID=inv1; '
-        "echo ActiveEnterTimestampMonotonic=0; exit 0; fi\n"
-        f'echo "$@" >> {calls}\n'
-    )
-    fake.chmod(0o755)
-    (tmp_path / "active").write_text("active\n")
+    _fake_systemctl(tmp_path, fake, calls)
     agent = _Agent()
     yield tmp_path, calls, fake, agent
     agent.stop()
