@@ -236,12 +236,18 @@ def _run_rate(ep: Endpoint, opts: RunOptions, work: list[RequestResult], offsets
     return {"max_in_flight": out["max_in_flight"], "dispatch_lag_s": describe(lags)}
 
 
-def _settled_snapshot(ep: Endpoint, expect_tokens: int, before: MetricsSnapshot) -> MetricsSnapshot:
-    """Final scrape; retry briefly while the server's token counter lags the client's count."""
+def _settled_snapshot(ep: Endpoint, expect_tokens: int, before: MetricsSnapshot,
+                      expect_requests: int = 0) -> MetricsSnapshot:
+    """Final scrape; retry briefly while the server's counters lag the client's view: its token
+    counter below the tokens the client received, or its TTFT count below the requests that
+    answered (vLLM records a step's stats after it has sent the step's output)."""
     snap = ep.metrics()
     for _ in range(10):
-        d = delta(before, snap, M_GEN) if snap.ok else None
-        if d is None or d >= expect_tokens:
+        if not snap.ok:
+            break
+        d = delta(before, snap, M_GEN)
+        n = delta(before, snap, M_TTFT_COUNT)
+        if (d is None or d >= expect_tokens) and (n is None or n >= expect_requests):
             break
         time.sleep(0.1)
         snap = ep.metrics()
@@ -483,7 +489,7 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         results.extend(work)
         if len(blocks) > 1:
             toks = sum(w.output_tokens or 0 for w in work if w.ok)
-            snap = _settled_snapshot(ep, toks, prev)
+            snap = _settled_snapshot(ep, toks, prev, sum(1 for w in work if w.ok))
             if prev.ok and snap.ok and restart_problem(prev, snap) is None:
                 spec_by_cat[work[0].category] = spec_metrics(prev, snap, _k_hint(opts.meta))
             prev = snap
@@ -493,7 +499,8 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     sampler.join()
     telemetry.stop()
     client_tokens = sum(r.output_tokens or 0 for r in results if r.ok)
-    snap1 = _settled_snapshot(ep, client_tokens, snap0) if len(blocks) == 1 else prev
+    answered = sum(1 for r in results if r.ok)
+    snap1 = _settled_snapshot(ep, client_tokens, snap0, answered) if len(blocks) == 1 else prev
     spec_all = spec_metrics(snap0, snap1, _k_hint(opts.meta))
     errors = sum(1 for r in results if not r.ok)
     bound = rate_info.get("max_in_flight", 0) if opts.request_rate else opts.concurrency

@@ -74,3 +74,27 @@ def test_spec_metrics_from_text_diff() -> None:
     assert sp["per_position"] == pytest.approx([0.8, 0.8])
     assert sp["conditional"] == pytest.approx([0.8, 1.0])
     assert sp["effective_tokens_per_step"] == pytest.approx(300 / 110)
+
+
+class _LaggingEndpoint:
+    """/metrics that reaches the final counts only at the third scrape: the last request's
+    TTFT observation lands after its tokens were counted (stats recorded after the output)."""
+
+    def __init__(self) -> None:
+        self.scrapes = 0
+
+    def metrics(self) -> bench_prometheus.MetricsSnapshot:
+        self.scrapes += 1
+        ttft = 4 if self.scrapes >= 3 else 3
+        return bench_prometheus.MetricsSnapshot.parse(f"vllm:generation_tokens_total 52\n"
+                                     f"vllm:time_to_first_token_seconds_count {ttft}\n")
+
+
+def test_final_scrape_waits_for_every_answered_requests_ttft() -> None:
+    before = bench_prometheus.MetricsSnapshot.parse(
+        "vllm:generation_tokens_total 0\nvllm:time_to_first_token_seconds_count 0\n")
+    ep = _LaggingEndpoint()
+    snap = bench_runner._settled_snapshot(ep, 52, before, expect_requests=4)  # type: ignore[arg-type]
+    assert snap.total("vllm:time_to_first_token_seconds_count") == 4 and ep.scrapes == 3
+    ep = _LaggingEndpoint()  # tokens alone would have stopped at the first scrape
+    assert bench_runner._settled_snapshot(ep, 52, before).total("vllm:time_to_first_token_seconds_count") == 3  # type: ignore[arg-type]
