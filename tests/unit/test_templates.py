@@ -132,6 +132,7 @@ def serve_ctx(tmp_path: Path, method: str = "mtp", cluster_env: str = "") -> dic
         serve_unit_method=method,
         serve_cluster_env_file=cluster_env,
         serve_ray_env_exclude_file="/etc/sparkllm/vllm-ray-env-exclude.json",
+        serve_ray_auth_token_file="/var/lib/sparkllm/ray/auth-token",
         _serve_ray_backend=bool(cluster_env),
         spark_cluster_rdma=True,
         serve_config_dir=str(tmp_path),
@@ -207,6 +208,10 @@ def test_head_server_keeps_vllm_from_copying_the_heads_link_settings(tmp_path: P
     mounts = [got[i + 1] for i, a in enumerate(got) if a == "--volume"]
     assert ("/etc/sparkllm/vllm-ray-env-exclude.json:/root/.config/vllm/ray_non_carry_over_env_vars.json:ro"
             in mounts)
+    # and vLLM's Ray driver (ray.init in the server) authenticates with the cluster's token file
+    assert "/var/lib/sparkllm/ray/auth-token:/run/secrets/ray_auth_token:ro" in mounts
+    assert _follows(got, ["--env", "RAY_AUTH_MODE=token"])
+    assert _follows(got, ["--env", "RAY_AUTH_TOKEN_PATH=/run/secrets/ray_auth_token"])
     ctx.update(_serve_ray_backend=False)  # multi-node mp: no Ray propagation, no file written
     assert not any("ray_non_carry_over" in m for m in
                    [a for a in container_args(tmp_path, ctx) if ":" in a])
@@ -299,8 +304,29 @@ def ray_ctx(runtime: str, head: bool) -> dict[str, Any]:
         _ray_cluster_hf_token_file="/var/lib/sparkllm/ray/hf-token",
         _ray_cluster_hf_token_path=("/run/secrets/hf_token" if runtime == "container"
                                     else "/var/lib/sparkllm/ray/hf-token"),
+        spark_ray_auth_token_file="/var/lib/sparkllm/ray/auth-token",
+        _ray_cluster_auth_token_path=("/run/secrets/ray_auth_token" if runtime == "container"
+                                      else "/var/lib/sparkllm/ray/auth-token"),
     )
     return ctx
+
+
+@pytest.mark.parametrize("runtime", ["container", "venv"])
+@pytest.mark.parametrize("head", [True, False])
+def test_every_ray_unit_runs_ray_with_the_clusters_token_file(runtime: str, head: bool) -> None:
+    """Ray 2.60 checks a token when RAY_AUTH_MODE=token, read from RAY_AUTH_TOKEN_PATH: every node's Ray
+    names the root-only file (mounted read-only in the container); the token itself is in no unit."""
+    ctx = ray_ctx(runtime, head)
+    unit = render("sparkllm-ray.service.j2", **ctx)
+    path = ctx["_ray_cluster_auth_token_path"]
+    argv = shlex.split(unit_value(unit, "ExecStart")[0])
+    if runtime == "container":
+        i = argv.index(IMAGE)
+        assert _follows(argv[:i], ["--volume", f"/var/lib/sparkllm/ray/auth-token:{path}:ro"])
+        assert _follows(argv[:i], ["--env", "RAY_AUTH_MODE=token"])
+        assert _follows(argv[:i], ["--env", f"RAY_AUTH_TOKEN_PATH={path}"])
+    else:
+        assert {"RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN_PATH={path}"} <= set(unit_value(unit, "Environment"))
 
 
 def test_ray_unit_container_runs_ray_start_in_the_image() -> None:
@@ -394,7 +420,8 @@ def test_every_server_env_setting_reaches_the_ray_processes(tmp_path: Path, meth
         ray_env = {argv[i + 1] for i, a in enumerate(argv) if a == "--env"}
     else:
         ray_env = set(unit_value(unit, "Environment"))
-    assert ray_env == server - {"HF_TOKEN_PATH=/run/secrets/hf_token"}
+    ray_own = {"RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN_PATH={ray['_ray_cluster_auth_token_path']}"}
+    assert ray_env - ray_own == server - {"HF_TOKEN_PATH=/run/secrets/hf_token"}
 
 
 # ------------------------------------------------------------------ link: netplan + cluster env

@@ -17,10 +17,15 @@ HEAD_IP, WORKER_IP = "10.213.77.10", "10.213.77.11"
 LINK = {"cluster-head": "eth0", "cluster-worker": "enp1s0f1np1"}
 RAY = "/opt/sparkllm/ray-venv/bin/ray"
 MODEL = "/srv/models/cluster-test"
+TOKEN_FILE = "/var/lib/sparkllm/ray/auth-token"
+# what every Ray client needs: Ray checks its token (roles/ray_cluster)
+AUTH = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={TOKEN_FILE}"
+# a clean environment for a Ray driver, with the token
+DRIVER = f"env -i PATH=/usr/bin:/bin {AUTH} /opt/sparkllm/ray-venv/bin/python"
 
 
 def _active_ray_nodes(head) -> int:
-    out = head.check_output(f"{RAY} status --address {HEAD_IP}:6379")
+    out = head.check_output(f"{AUTH} {RAY} status --address {HEAD_IP}:6379")
     active = out.split("Active:", 1)[1].split("Pending:", 1)[0]
     return sum(1 for line in active.splitlines() if "node_" in line)
 
@@ -315,7 +320,7 @@ def test_the_servers_environment_reaches_a_ray_worker_on_the_other_node(head, wo
              "CUDA_CACHE_MAXSIZE"]
     head.check_output(f"cat > /tmp/worker_env.py <<'EOF'\n{_WORKER_ENV_SNIPPET}EOF")
     # a clean driver environment: whatever the task reports comes from the worker node's Ray unit
-    out = head.check_output(f"env -i PATH=/usr/bin:/bin /opt/sparkllm/ray-venv/bin/python /tmp/worker_env.py "
+    out = head.check_output(f"{DRIVER} /tmp/worker_env.py "
                             f"{HEAD_IP}:6379 {WORKER_IP} {' '.join(names)}")
     got = json.loads(out.strip().splitlines()[-1])
     assert got["ip"] == WORKER_IP
@@ -336,7 +341,7 @@ def test_each_node_keeps_its_own_link_settings_against_vllms_copy(head, worker):
     assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES", "NCCL_IB_DISABLE"} <= set(names)
     assert not worker.file("/etc/sparkllm/vllm-ray-env-exclude.json").exists  # read by the head's server only
     head.check_output(f"cat > /tmp/worker_env.py <<'EOF'\n{_WORKER_ENV_SNIPPET}EOF")
-    out = head.check_output(f"env -i PATH=/usr/bin:/bin /opt/sparkllm/ray-venv/bin/python /tmp/worker_env.py "
+    out = head.check_output(f"{DRIVER} /tmp/worker_env.py "
                             f"{HEAD_IP}:6379 {WORKER_IP} NCCL_SOCKET_IFNAME UCX_NET_DEVICES")
     got = json.loads(out.strip().splitlines()[-1])
     own = LINK["cluster-worker"]
@@ -384,7 +389,7 @@ print(json.dumps(ray.get(a.where.remote(), timeout=120)))
 
 def _actor_on_worker(head) -> dict:
     head.check_output(f"cat > /tmp/actor.py <<'EOF'\n{_ACTOR_SNIPPET}EOF")
-    out = head.check_output(f"env -i PATH=/usr/bin:/bin /opt/sparkllm/ray-venv/bin/python /tmp/actor.py "
+    out = head.check_output(f"{DRIVER} /tmp/actor.py "
                             f"{HEAD_IP}:6379 {WORKER_IP}")
     return json.loads(out.strip().splitlines()[-1])
 
@@ -529,3 +534,39 @@ def test_the_hf_token_reaches_the_workers_rank_as_a_file_and_nowhere_else(head, 
         assert node.run(f"journalctl --no-pager -u {unit} | grep -c {HF_TOKEN}").stdout.strip() == "0"
         pid = node.check_output(f"systemctl show -p MainPID --value {unit}")
         assert HF_TOKEN not in node.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
+
+
+_HTTP_STATUS = """
+import sys, urllib.error, urllib.request
+req = urllib.request.Request(sys.argv[1], headers=dict(a.split("=", 1) for a in sys.argv[2:]))
+try:
+    print(urllib.request.urlopen(req, timeout=10).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+"""
+
+
+def test_ray_refuses_a_client_without_the_clusters_token(head, worker):
+    """Ray's token authentication: the same token, root's only, on both nodes; a driver without it (another
+    local user's, or one on the link) is refused by the GCS, the dashboard's job API answers 401 without it,
+    and the node agent's health probe (the worker watchdog's) stays public, as Ray 2.60 exempts it."""
+    files = [node.file(TOKEN_FILE) for node in (head, worker)]
+    assert [(f.user, f.mode) for f in files] == [("root", 0o600)] * 2
+    token = files[0].content_string.strip()
+    assert len(token) >= 32 and files[1].content_string.strip() == token
+    for node, unit in ((head, "sparkllm-ray-head"), (worker, "sparkllm-ray-worker")):
+        assert token not in node.file(f"/etc/systemd/system/{unit}.service").content_string
+        assert node.run(f"journalctl --no-pager -u {unit} | grep -c {token}").stdout.strip() == "0"
+    status = f"timeout 60 {RAY} status --address {HEAD_IP}:6379"
+    bare = "env -i PATH=/usr/bin:/bin HOME=/nonexistent"
+    for env in (bare, f"{bare} RAY_AUTH_MODE=token RAY_AUTH_TOKEN=wrong-0123456789abcdef0123456789abcdef"):
+        r = worker.run(f"{env} {status}")
+        assert r.rc != 0 and "node_" not in r.stdout, (env, r.stdout, r.stderr)
+    assert "node_" in worker.check_output(f"{AUTH} {status}")
+    for node in (head, worker):
+        node.check_output(f"cat > /tmp/http_status.py <<'EOF'\n{_HTTP_STATUS}EOF")
+    jobs = "python3 /tmp/http_status.py http://127.0.0.1:8265/api/jobs/"
+    assert head.check_output(jobs).strip() == "401"
+    assert head.check_output(f"{jobs} 'Authorization=Bearer {token}'").strip() == "200"
+    probe = "python3 /tmp/http_status.py http://127.0.0.1:52365/api/local_raylet_healthz"
+    assert worker.check_output(probe).strip() == "200"
