@@ -6,7 +6,8 @@
 
 For each panel's each target, the expression is taken from the JSON (never from a copied list), Grafana's
 built-in ``$__rate_interval`` is replaced by --rate-interval (Grafana uses max(4 x scrape interval, the
-step); any other ``$`` variable is refused, since Prometheus would not understand it), and the query runs
+step), a multi-value variable by its "All" value from the dashboard (``allValue``, the default selection);
+any other ``$`` variable is refused, since Prometheus would not understand it), and the query runs
 both as an instant query and as a range query over the last --range-s seconds. The results (status,
 series, values) go to --out as JSON, written to a temporary file and renamed. The molecule scenario
 ``metrics`` asserts each returned data; ``tests/harness/dashboard_png.py`` draws the range results.
@@ -45,12 +46,22 @@ def panel_queries(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def substitute(expr: str, rate_interval: str) -> str:
+def all_values(dashboard: dict[str, Any]) -> dict[str, str]:
+    """What Grafana puts for each of the dashboard's multi-value variables when "All" is selected (its
+    allValue, the default here), so that a panel query runs as the dashboard shows it by default."""
+    return {v["name"]: v["allValue"] for v in (dashboard.get("templating") or {}).get("list", [])
+            if v.get("includeAll") and isinstance(v.get("allValue"), str)}
+
+
+def substitute(expr: str, rate_interval: str, variables: dict[str, str] | None = None) -> str:
     out = expr.replace("$__rate_interval", rate_interval)
+    for name, value in (variables or {}).items():
+        pattern = r"\$\{" + re.escape(name) + r"\}|\$" + re.escape(name) + r"\b"
+        out = re.sub(pattern, lambda _m, v=value: v, out)
     left = re.findall(r"\$\{?[A-Za-z_][A-Za-z0-9_]*", out)
     if left:
         raise ValueError(f"query {expr!r} uses {left[0]}, which this tool cannot resolve "
-                         f"(only {', '.join(BUILTINS)})")
+                         f"(only {', '.join(BUILTINS)} and the dashboard's All values)")
     return out
 
 
@@ -73,8 +84,10 @@ def run(base: str, dashboards: list[Path], rate_interval: str, range_s: int,
     now = time.time()
     rows = []
     for path in dashboards:
-        for q in panel_queries(json.loads(path.read_text())):
-            expr = substitute(q["expr"], rate_interval)
+        dashboard = json.loads(path.read_text())
+        variables = all_values(dashboard)
+        for q in panel_queries(dashboard):
+            expr = substitute(q["expr"], rate_interval, variables)
             inst = api(base, "/api/v1/query", {"query": expr, "time": f"{now:.3f}"})
             rng = api(base, "/api/v1/query_range", {"query": expr, "start": f"{now - range_s:.3f}",
                                                       "end": f"{now:.3f}", "step": str(step_s)})

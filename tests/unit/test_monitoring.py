@@ -122,6 +122,18 @@ def test_dashboard_covers_what_the_issue_asks() -> None:
     assert any("gb10_power_draw_watts" in e and "generation_tokens_total" in e for e in exprs())
 
 
+def test_every_hardware_panel_shows_each_selected_spark() -> None:
+    """Two Sparks: a sum or max over both hides a worker running hot or out of memory. Each hardware query
+    (GB10 and node exporter) keeps the node label and follows the dashboard's node selector, except the
+    energy per token, which needs every Spark's power."""
+    hardware = [e for e in exprs() if re.search(r"\b(gb10_|node_)", e)]
+    energy = [e for e in hardware if "generation_tokens_total" in e]
+    assert len(energy) == 1 and "$node" not in energy[0]
+    for e in hardware:
+        if e not in energy:
+            assert 'node=~"$node"' in e and "by (node)" in e, e
+
+
 def test_the_standin_exposes_every_vllm_metric_the_dashboards_query() -> None:
     cfg, _, _ = server.parse_args(["--method", "mtp", "--k", "2", "--model", "m", "--step-time", "0.001"])
     with server.StandinServer(cfg) as srv:
@@ -147,6 +159,11 @@ def test_query_runner_substitutes_only_what_it_knows() -> None:
     assert dashboard_queries.substitute("rate(x[$__rate_interval])", "20s") == "rate(x[20s])"
     with pytest.raises(ValueError, match=r"uses \$job"):
         dashboard_queries.substitute('up{job="$job"}', "20s")
+    # a multi-value variable: what Grafana sends for its default "All" selection
+    assert dashboard_queries.substitute('x{node=~"$node"} + y{node=~"${node}"} + $nodes', "20s",
+                                        {"node": ".+", "nodes": "1"}) == 'x{node=~".+"} + y{node=~".+"} + 1'
+    dash = json.loads((ROOT / "templates/grafana/dashboards/spark-serving.json").read_text())
+    assert dashboard_queries.all_values(dash) == {"node": ".+"}
     rows = [{"dashboard": "d", "panel_id": 1, "title": "t", "ref_id": "A", "query": "q",
              "instant_status": "success", "range_status": "success",
              "instant": [{"metric": {}, "value": [0, "NaN"]}], "range": []}]

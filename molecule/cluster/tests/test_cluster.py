@@ -523,6 +523,28 @@ def test_the_heads_prometheus_scrapes_the_workers_exporters_over_the_link(head, 
     assert not worker.service("prometheus.service").is_running
 
 
+def test_the_dashboards_hardware_panels_show_each_spark(head):
+    """The dashboard's node selector lists both Sparks (its own label_values query, run as Prometheus's
+    series API does it), and every panel that filters on it returns one series per Spark with All selected."""
+    from urllib.parse import quote
+
+    dash = json.loads((PROJECT / "templates/grafana/dashboards/spark-serving.json").read_text())
+    var = next(v for v in dash["templating"]["list"] if v["name"] == "node")
+    match = re.fullmatch(r"label_values\((.+), node\)", var["query"]["query"])
+    assert match, var
+    got = _get_json(head, f"http://127.0.0.1:9090/api/v1/label/node/values?match[]={quote(match[1])}")
+    assert got["data"] == ["cluster-head", "cluster-worker"], got
+    sys.path.insert(0, str(PROJECT / "tests/harness"))
+    import dashboard_queries
+
+    per_node = [q for q in dashboard_queries.panel_queries(dash) if "$node" in q["expr"]]
+    assert len(per_node) >= 6
+    for q in per_node:
+        expr = dashboard_queries.substitute(q["expr"], "20s", dashboard_queries.all_values(dash))
+        res = _get_json(head, f"http://127.0.0.1:9090/api/v1/query?query={quote(expr)}")["data"]["result"]
+        assert sorted(r["metric"].get("node") for r in res) == ["cluster-head", "cluster-worker"], (q, res)
+
+
 def test_the_hf_token_reaches_the_workers_rank_as_a_file_and_nowhere_else(head, worker):
     f = worker.file("/var/lib/sparkllm/ray/hf-token")
     assert (f.user, f.mode) == ("root", 0o600)
