@@ -95,32 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     if not names or any(c not in CASES for c in names) or "base" not in names:
         print(f"dflash_bench.py: cases must include base and come from {', '.join(CASES)}", file=sys.stderr)
         return 2
-    t0 = time.monotonic()
-    a.out.mkdir(parents=True, exist_ok=True)
-    a.work.mkdir(parents=True, exist_ok=True)
-    failures: list[str] = []
-    summary: dict = {"host": {}, "cases": {}, "checks": {}, "bench": {}}
-
-    def check(name: str, ok: bool, detail: object) -> None:
-        summary["checks"][name] = {"ok": bool(ok), "detail": detail}
-        fs.log(f"{'PASS' if ok else 'FAIL'} {name}: {json.dumps(detail, default=str)[:600]}")
-        if not ok:
-            failures.append(name)
-
-    def save() -> None:
-        summary["seconds"] = round(time.monotonic() - t0, 1)
-        summary["failed"] = failures
-        (a.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-
-    host = e2e.host_versions("dflash_bench.py")
+    rec = e2e.Record(a.out, a.work, fs.log, cases={}, bench={})
+    t0, summary, failures, check, save = rec.t0, rec.summary, rec.failures, rec.check, rec.save
+    host = rec.host("dflash_bench.py")
     if host is None:
         return 2
-    summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")} | {"date": time.strftime("%Y-%m-%d")}
     models = e2e.build_models(a.work)
     summary["pipeline_verify_ok"] = models["verify"]["ok"]
-    patched, applied = e2e.patched_vllm(a.work, Path(host["site"]), host["vllm"])
-    summary["patches_applied"] = applied
-    pp = os.pathsep.join([str(patched), host["site"], os.environ.get("PYTHONPATH", "")])
+    patched, pp = rec.patched(a.work, host)
     hybrid = models["dirs"]["hybrid"]
     drafter = tiny_dflash.generate(a.work / "dflash-drafter", tokenizer_from=Path(hybrid))["path"]
     catalogue = e2e.load_catalogue()

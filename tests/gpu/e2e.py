@@ -134,6 +134,45 @@ def host_versions(prog: str) -> dict | None:
     return json.loads(ver.stdout.strip().splitlines()[-1])
 
 
+class Record:
+    """One GPU-host run's record: summary.json with its checks, the host's versions and the elapsed time.
+    ``check`` logs a PASS/FAIL line (its detail as JSON, cut at 600 characters) and keeps the failures."""
+
+    def __init__(self, out: Path, work: Path, log_fn=None, **sections: dict) -> None:
+        self.t0 = time.monotonic()
+        self.out, self.log = out, log_fn or log
+        out.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
+        self.failures: list[str] = []
+        self.summary: dict = {"host": {}, **sections, "checks": {}}
+
+    def check(self, name: str, ok: bool, detail: object) -> None:
+        self.summary["checks"][name] = {"ok": bool(ok), "detail": detail}
+        self.log(f"{'PASS' if ok else 'FAIL'} {name}: {json.dumps(detail, default=str)[:600]}")
+        if not ok:
+            self.failures.append(name)
+
+    def save(self) -> None:
+        self.summary["seconds"] = round(time.monotonic() - self.t0, 1)
+        self.summary["failed"] = self.failures
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
+
+    def patched(self, work: Path, host: dict) -> tuple[Path, str]:
+        """vLLM with our patch series (patched_vllm) under work; (its directory, the PYTHONPATH that puts
+        it before the host's site-packages). The applied patches go in the summary."""
+        patched, applied = patched_vllm(work, Path(host["site"]), host["vllm"])
+        self.summary["patches_applied"] = applied
+        return patched, os.pathsep.join([str(patched), host["site"], os.environ.get("PYTHONPATH", "")])
+
+    def host(self, prog: str) -> dict | None:
+        """host_versions, with vLLM, torch, the GPU and today's date in the summary; None: not here."""
+        host = host_versions(prog)
+        if host is not None:
+            self.summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")}
+            self.summary["host"]["date"] = time.strftime("%Y-%m-%d")
+        return host
+
+
 def build_models(work: Path) -> dict:
     py = sys.executable
     pair = work / "pair"
@@ -497,32 +536,18 @@ def main(argv: list[str] | None = None) -> int:
     if not only or any(c not in ALL_CASES for c in only):
         print(f"e2e.py: --only takes labels from {', '.join(ALL_CASES)}", file=sys.stderr)
         return 2
-    t_start = time.monotonic()
-    a.out.mkdir(parents=True, exist_ok=True)
-    a.work.mkdir(parents=True, exist_ok=True)
-    failures: list[str] = []
-    summary: dict = {"host": {}, "figures": {}, "checks": {}}
-
-    def check(name: str, ok: bool, detail: object) -> None:
-        summary["checks"][name] = {"ok": bool(ok), "detail": detail}
-        log(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
-        if not ok:
-            failures.append(name)
-
-    host = host_versions("e2e.py")
+    rec = Record(a.out, a.work, figures={})
+    t_start, summary, failures, check = rec.t0, rec.summary, rec.failures, rec.check
+    host = rec.host("e2e.py")
     if host is None:
         return 2
-    summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")}
-    summary["host"]["date"] = time.strftime("%Y-%m-%d")
     log(f"host: {summary['host']}")
 
     models = build_models(a.work)
     summary["pipeline"] = {k: models[k] for k in ("merge", "verify", "recipe_dropped_from_index")}
     log(f"pipeline: merge {models['merge']}, verify ok={models['verify']['ok']}")
-    patched, applied = patched_vllm(a.work, Path(host["site"]), host["vllm"])
-    summary["patches_applied"] = applied
+    patched, patched_pp = rec.patched(a.work, host)
     stock_pp = os.pathsep.join([host["site"], os.environ.get("PYTHONPATH", "")])
-    patched_pp = os.pathsep.join([str(patched), stock_pp])
     d = models["dirs"]
     extra_settings: dict[str, dict] = {}
     if "hybrid-eagle3" in only:
@@ -734,9 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
-    summary["seconds"] = round(time.monotonic() - t_start, 1)
-    summary["failed"] = failures
-    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    rec.save()
     print("E2E SUMMARY " + json.dumps({k: summary[k] for k in ("host", "figures", "failed", "seconds")}),
           flush=True)
     return 1 if failures else 0

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -177,28 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first_start.py: {a.flashinfer_cuda_home}/bin/nvcc does not exist; run tests/gpu/cuda_home.sh "
               "or leave --flashinfer-cuda-home out", file=sys.stderr)
         return 2
-    t0 = time.monotonic()
-    a.out.mkdir(parents=True, exist_ok=True)
-    a.work.mkdir(parents=True, exist_ok=True)
-    failures: list[str] = []
-    summary: dict = {"host": {}, "cases": {}, "checks": {}}
-
-    def check(name: str, ok: bool, detail: object) -> None:
-        summary["checks"][name] = {"ok": bool(ok), "detail": detail}
-        log(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
-        if not ok:
-            failures.append(name)
-
-    host = e2e.host_versions("first_start.py")
+    rec = e2e.Record(a.out, a.work, log, cases={})
+    t0, summary, failures, check = rec.t0, rec.summary, rec.failures, rec.check
+    host = rec.host("first_start.py")
     if host is None:
         return 2
-    summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")}
-    summary["host"]["date"] = time.strftime("%Y-%m-%d")
     models = e2e.build_models(a.work)
     summary["pipeline_verify_ok"] = models["verify"]["ok"]
-    patched, applied = e2e.patched_vllm(a.work, Path(host["site"]), host["vllm"])
-    summary["patches_applied"] = applied
-    pp = os.pathsep.join([str(patched), host["site"], os.environ.get("PYTHONPATH", "")])
+    patched, pp = rec.patched(a.work, host)
     drafter = None
     if "eager-eagle3" in names:
         hybrid_dir = Path(models["dirs"]["hybrid"])
@@ -298,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
-    summary["seconds"] = round(time.monotonic() - t0, 1)
-    summary["failed"] = failures
-    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    rec.save()
     print("FIRST_START SUMMARY " + json.dumps({"host": summary["host"], "failed": failures,
                                                "seconds": summary["seconds"]}), flush=True)
     return 1 if failures else 0

@@ -172,17 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=420, help="seconds for the server's start (default 420)")
     ap.add_argument("--upstream", default="", help="an already running vLLM (its URL): start none")
     a = ap.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    a.work.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    failures: list[str] = []
-    summary: dict = {"checks": {}, "figures": {}}
-
-    def check(name: str, ok: bool, detail: object) -> None:
-        summary["checks"][name] = {"ok": bool(ok), "detail": detail}
-        e2e.log(f"{'PASS' if ok else 'FAIL'} {name}: {json.dumps(detail, default=str)[:600]}")
-        if not ok:
-            failures.append(name)
+    rec = e2e.Record(a.out, a.work, figures={})
+    t0, summary, failures, check = rec.t0, rec.summary, rec.failures, rec.check
 
     nginx_dir = a.out.resolve() / "nginx"  # nginx reads relative paths from its own prefix
     nginx_dir.mkdir(exist_ok=True)
@@ -204,15 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             upstream_port = int(upstream.rsplit(":", 1)[1])
             summary["host"] = {"upstream": upstream}
         else:
-            host = e2e.host_versions("proxy_real.py")
+            host = rec.host("proxy_real.py")
             if host is None:
                 return 2
-            summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")}
-            summary["host"]["date"] = time.strftime("%Y-%m-%d")
             models = e2e.build_models(a.work)
-            patched, applied = e2e.patched_vllm(a.work, Path(host["site"]), host["vllm"])
-            summary["patches_applied"] = applied
-            pp = os.pathsep.join([str(patched), host["site"], os.environ.get("PYTHONPATH", "")])
+            patched, pp = rec.patched(a.work, host)
             extra = list(e2e.HOST_SETTINGS["vllm_serve_extra_args"])
             if not host["vllm"].startswith("0.20"):  # 0.26.0 refuses triton for WNA16 MoE (dflash_bench.py)
                 i = extra.index("--moe-backend")
@@ -334,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 nginx.kill()
         if server is not None:
             server.stop()
-        summary["seconds"] = round(time.monotonic() - t0, 1)
-        summary["failed"] = failures
-        (a.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        rec.save()
     print("PROXY_REAL SUMMARY " + json.dumps({"host": summary.get("host"), "failed": failures,
                                              "seconds": summary["seconds"]}), flush=True)
     return 1 if failures else 0

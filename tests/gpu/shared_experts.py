@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -90,27 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phase", choices=("all", "shared", "memory"), default="all",
                     help="run both parts, or one of them in its own call (default all)")
     a = ap.parse_args(argv)
-    t0 = time.monotonic()
-    a.out.mkdir(parents=True, exist_ok=True)
-    a.work.mkdir(parents=True, exist_ok=True)
-    failures: list[str] = []
-    summary: dict = {"host": {}, "cases": {}, "checks": {}}
-
-    def check(name: str, ok: bool, detail: object) -> None:
-        summary["checks"][name] = {"ok": bool(ok), "detail": detail}
-        fs.log(f"{'PASS' if ok else 'FAIL'} {name}: {json.dumps(detail, default=str)[:600]}")
-        if not ok:
-            failures.append(name)
-
-    def save() -> None:
-        summary["seconds"] = round(time.monotonic() - t0, 1)
-        summary["failed"] = failures
-        (a.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-
-    host = e2e.host_versions("shared_experts.py")
+    rec = e2e.Record(a.out, a.work, fs.log, cases={})
+    t0, summary, failures, check, save = rec.t0, rec.summary, rec.failures, rec.check, rec.save
+    host = rec.host("shared_experts.py")
     if host is None:
         return 2
-    summary["host"] = {k: host[k] for k in ("vllm", "torch", "gpu")} | {"date": time.strftime("%Y-%m-%d")}
     py = sys.executable
     pair = tiny_pair.generate(a.work / "pair", shared_matter=True)
     hybrid = a.work / "hybrid"
@@ -142,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         ours.returncode == 0 and theirs.returncode == 1,
         {"ours": ours.returncode, "copy": theirs.returncode, "copy_first_line": theirs.stdout.split("\n")[0]},
     )
-    patched, applied = e2e.patched_vllm(a.work, Path(host["site"]), host["vllm"])
-    summary["patches_applied"] = applied
-    pp = os.pathsep.join([str(patched), host["site"], os.environ.get("PYTHONPATH", "")])
+    patched, pp = rec.patched(a.work, host)
     catalogue = e2e.load_catalogue()
 
     def server(label: str, model: str, port: int, util: float | None = None) -> e2e.Server:

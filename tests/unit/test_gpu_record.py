@@ -1,0 +1,37 @@
+"""tests/gpu/e2e.py's Record: the one summary.json writer of every GPU-host script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+e2e = pytest.importorskip("e2e")  # yaml, numpy: both in the test venv
+
+
+def test_checks_failures_and_the_summary_on_disk(tmp_path: Path) -> None:
+    lines: list[str] = []
+    rec = e2e.Record(tmp_path / "out", tmp_path / "work", lines.append, cases={})
+    assert (tmp_path / "out").is_dir() and (tmp_path / "work").is_dir()
+    rec.check("first", True, {"n": 1})
+    rec.check("second", False, "x" * 1000)
+    rec.summary["cases"]["base"] = {"ok": True}
+    rec.save()
+    doc = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert doc["failed"] == ["second"] == rec.failures
+    assert doc["checks"] == {"first": {"ok": True, "detail": {"n": 1}},
+                             "second": {"ok": False, "detail": "x" * 1000}}
+    assert doc["cases"] == {"base": {"ok": True}} and doc["seconds"] >= 0
+    assert lines[0] == 'PASS first: {"n": 1}' and lines[1].startswith("FAIL second: ") and len(lines[1]) < 620
+
+
+def test_host_versions_reach_the_summary_with_the_date(tmp_path: Path, monkeypatch) -> None:
+    rec = e2e.Record(tmp_path, tmp_path, lambda _m: None)
+    monkeypatch.setattr(e2e, "host_versions", lambda prog: None)
+    assert rec.host("x.py") is None and rec.summary["host"] == {}
+    got = {"vllm": "0.26.0", "torch": "2.11.0", "gpu": "NVIDIA H200", "site": "/s"}
+    monkeypatch.setattr(e2e, "host_versions", lambda prog: got)
+    assert rec.host("x.py") is got
+    assert set(rec.summary["host"]) == {"vllm", "torch", "gpu", "date"}
+    assert rec.summary["host"]["vllm"] == "0.26.0"
