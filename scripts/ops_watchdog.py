@@ -65,6 +65,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# the shared CLI plumbing: beside this script on the Spark (role spark_ops copies sparkllm/cli.py along)
+from sparkllm import cli
+
 TAG = "sparkllm-watchdog"
 
 # Metric names of vLLM 0.19.1 and 0.26.0 (vllm/v1/metrics/loggers.py; prometheus_client appends _total
@@ -327,7 +330,7 @@ def observe_ray(a: argparse.Namespace, st: dict) -> Verdict:
 
 # ------------------------------------------------------------------------------------- the run
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser("ops_watchdog.py", __doc__)
     p.add_argument("--unit", required=True, help="the method's unit, e.g. sparkllm-vllm-mtp.service")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
@@ -507,7 +510,8 @@ def _failed(a: argparse.Namespace, st: dict, us: dict[str, str], reason: str, no
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv))
+    a = parse_args(argv)
+    return cli.run_main("ops_watchdog.py", lambda: run(a))
 
 
 if __name__ == "__main__":

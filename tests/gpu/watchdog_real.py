@@ -19,7 +19,8 @@ process every --interval seconds, with a state file kept between runs and a fake
   b2  engine stopped while idle (after SIGCONT and the streams aborted): the one-token probe times
       out, --failures runs restart the unit (only when the budget allows).
 
-The watchdog is taken from .gpuwork/wd/ops_watchdog.py (a copy of the version under test), else
+The watchdog is taken from .gpuwork/wd/ops_watchdog.py (a copy of the version under test, with
+sparkllm/__init__.py and sparkllm/cli.py beside it, as role spark_ops installs it), else
 scripts/ops_watchdog.py. ``--standin DIR``: run against tests/fixtures/standin_server in DIR instead
 (no GPU; the engine "stop" is its STANDIN_ENGINE_WEDGE_FILE), to test this script itself.
 Writes DIR/summary.json (checks, each watchdog run's verdict and journal lines, systemctl calls,

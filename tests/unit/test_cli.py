@@ -13,9 +13,8 @@ import pytest
 from sparkllm import cli
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-# copied alone onto the Spark (role spark_ops, into its libexec directory, without the sparkllm
-# package), so it keeps its own few lines of argparse
-STANDALONE = {"ops_watchdog.py"}
+# (none left: ops_watchdog.py goes onto the Spark with sparkllm/cli.py beside it, role spark_ops)
+STANDALONE: set[str] = set()
 
 DOC = """Do one thing (first paragraph: the description).
 
