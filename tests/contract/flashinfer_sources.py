@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))  # wheel_peek, when run as a sc
 from sparkllm.fileio import write_json_atomic  # noqa: E402
 
 # one pinned download for the sdists and these wheels
-from vllm_sources import MACHINE_CACHE, fetch_pinned  # noqa: E402
+from vllm_sources import MACHINE_CACHE, extracted_once, fetch_pinned  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "flashinfer_packages.json"
 CACHE = ROOT / ".cache"
@@ -60,29 +59,15 @@ def wheel(version: str) -> Path:
 
 def package_tree(version: str) -> Path:
     """.cache/flashinfer-src/<version>: MEMBERS of the pinned wheel plus names.json (every member's name)."""
-    out = CACHE / "flashinfer-src" / version
-    stamp = out / ".complete"
-    sha = pins()["wheels"][version]["sha256"]
-    if stamp.exists() and stamp.read_text() == sha:
-        return out
-    archive = wheel(version)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{version}-"))
-    try:
-        with zipfile.ZipFile(archive) as z:
+    def fill(tmp: Path) -> None:
+        with zipfile.ZipFile(wheel(version)) as z:
             names = z.namelist()
             for m in MEMBERS:
                 if m in names:
                     z.extract(m, tmp)
         (tmp / "names.json").write_text(json.dumps(names))
-        (tmp / ".complete").write_text(sha)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
+
+    return extracted_once(CACHE / "flashinfer-src" / version, pins()["wheels"][version]["sha256"], fill)
 
 
 def _simple(name: str) -> dict | None:

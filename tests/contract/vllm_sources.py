@@ -19,6 +19,7 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,25 +72,17 @@ def sdist(version: str) -> Path:
     return fetch_pinned(pin["url"], pin["sha256"], MACHINE_CACHE / "vllm-sdist", PINS.name)
 
 
-def source_tree(version: str) -> Path:
-    """.cache/vllm-src/<version>: the extracted members of the pinned sdist (extracted once)."""
-    out = CACHE / "vllm-src" / version
+def extracted_once(out: Path, sha256: str, fill: Callable[[Path], None]) -> Path:
+    """``out``, filled by ``fill(tmp)`` in a temporary sibling and moved into place with a ``.complete``
+    stamp holding ``sha256`` (the archive's); a tree whose stamp matches is returned as it is."""
     stamp = out / ".complete"
-    if stamp.exists() and stamp.read_text() == pins()[version]["sha256"]:
+    if stamp.exists() and stamp.read_text() == sha256:
         return out
-    archive = sdist(version)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{version}-"))
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        top = f"vllm-{version}/"
-        with tarfile.open(archive) as tar:
-            for m in tar.getmembers():
-                rel = m.name[len(top):] if m.name.startswith(top) else None
-                if not rel or not rel.startswith(MEMBERS) or not (m.isfile() or m.isdir()):
-                    continue
-                m.name = rel
-                tar.extract(m, tmp, filter="data")
-        (tmp / ".complete").write_text(pins()[version]["sha256"])
+        fill(tmp)
+        (tmp / ".complete").write_text(sha256)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -97,6 +90,22 @@ def source_tree(version: str) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+def source_tree(version: str) -> Path:
+    """.cache/vllm-src/<version>: the extracted members of the pinned sdist (extracted once)."""
+    top = f"vllm-{version}/"
+
+    def fill(tmp: Path) -> None:
+        with tarfile.open(sdist(version)) as tar:
+            for m in tar.getmembers():
+                rel = m.name[len(top):] if m.name.startswith(top) else None
+                if not rel or not rel.startswith(MEMBERS) or not (m.isfile() or m.isdir()):
+                    continue
+                m.name = rel
+                tar.extract(m, tmp, filter="data")
+
+    return extracted_once(CACHE / "vllm-src" / version, pins()[version]["sha256"], fill)
 
 
 def main(argv: list[str]) -> int:
