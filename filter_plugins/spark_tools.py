@@ -10,10 +10,17 @@ every file (``spark_tools_probe``'s output) and copies only what differs, still 
 
 from __future__ import annotations
 
-import hashlib
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+# the toolkit's package (scripts/sparkllm), as filter_plugins/spark_stage.py finds it
+_SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+if _SCRIPTS not in sys.path:
+    sys.path.append(_SCRIPTS)
+
+from sparkllm.fileio import sha256_file  # noqa: E402
 
 # What the Spark answers per file: [sha256, mode (int), uid, gid]; a missing file is absent.
 PROBE = """\
@@ -28,10 +35,6 @@ for rel in sys.argv[2:]:
         pass
 print(json.dumps(out))
 """
-
-
-def _sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def spark_tools_files(scripts_dir: str, scripts: Sequence[str]) -> list[dict]:
@@ -57,7 +60,7 @@ def spark_tools_stale(files: Sequence[Mapping[str, Any]], present: Mapping[str, 
                          f"{type(files).__name__} and {type(present).__name__}")
     stale = []
     for f in files:
-        want = [_sha256(f["src"]), int(str(f["mode"]), 8), 0, 0]
+        want = [sha256_file(f["src"]), int(str(f["mode"]), 8), 0, 0]
         got = present.get(f["dest"])
         if got is None or list(got) != want:
             stale.append(dict(f))
