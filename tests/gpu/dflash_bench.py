@@ -55,6 +55,8 @@ import first_start as fs
 import tiny_dflash
 from spark_methods import spark_serve_argv
 
+log = e2e.logger("dflash_bench")
+
 CASES = {
     "base": {"method": "baseline", "eager": True, "ref": None},
     "mtp": {"method": "mtp", "eager": True, "ref": "base"},
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if not names or any(c not in CASES for c in names) or "base" not in names:
         print(f"dflash_bench.py: cases must include base and come from {', '.join(CASES)}", file=sys.stderr)
         return 2
-    rec = e2e.Record(a.out, a.work, fs.log, cases={}, bench={})
+    rec = e2e.Record(a.out, a.work, log, cases={}, bench={})
     t0, summary, failures, check, save = rec.t0, rec.summary, rec.failures, rec.check, rec.save
     host = rec.host("dflash_bench.py")
     if host is None:
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "server_env": catalogue[case["method"]].get("server_env") or {}}
     for s in servers.values():
         s.start()
-    fs.log("started " + ", ".join(f"{k}:{s.port}" for k, s in servers.items()))
+    log("started " + ", ".join(f"{k}:{s.port}" for k, s in servers.items()))
     seen: dict[str, dict[str, float]] = {k: {} for k in servers}
     states = {k: "starting" for k in servers}
     deadline = t0 + a.budget - (30 if a.no_bench else BENCH_SECONDS)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"torch {host['torch']}, {summary['host']['date']}, case {k} ({states[k]}); "
                       "argv: vllm serve " + " ".join(s.argv))
             (a.out / f"phases-{k}.log").write_text(fs.cut_log(text, header))
-        fs.log("states: " + json.dumps(states))
+        log("states: " + json.dumps(states))
         save()
         results = {}
         for k, s in servers.items():

@@ -111,8 +111,14 @@ LM_HEAD_INT8_ENV = {"SPARKLLM_LM_HEAD_INT8": "1"}
 LM_HEAD_LOGPROB_TOL = 0.1
 
 
-def log(msg: str) -> None:
-    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+def logger(prog: str):
+    """A log function whose lines carry prog's name and the time, so a console of several scripts reads."""
+    def log_line(msg: str) -> None:
+        print(f"[{prog} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    return log_line
+
+
+log = logger("e2e")
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:

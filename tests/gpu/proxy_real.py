@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e  # noqa: E402
 
+log = e2e.logger("proxy_real")
+
 ROOT = Path(__file__).resolve().parents[2]
 SITE_TEMPLATE = ROOT / "templates" / "sparkllm-proxy.nginx.conf.j2"
 KEY_TEMPLATE = ROOT / "roles" / "serve" / "templates" / "proxy-key.conf.j2"
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=420, help="seconds for the server's start (default 420)")
     ap.add_argument("--upstream", default="", help="an already running vLLM (its URL): start none")
     a = ap.parse_args(argv)
-    rec = e2e.Record(a.out, a.work, figures={})
+    rec = e2e.Record(a.out, a.work, log, figures={})
     t0, summary, failures, check = rec.t0, rec.summary, rec.failures, rec.check
 
     nginx_dir = a.out.resolve() / "nginx"  # nginx reads relative paths from its own prefix

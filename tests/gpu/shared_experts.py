@@ -39,6 +39,8 @@ import first_start as fs
 import tiny_pair
 from spark_methods import spark_serve_argv
 
+log = e2e.logger("shared_experts")
+
 MEM_UTIL = 0.30
 OVER_UTIL = 0.80  # more than is free while the MEM_UTIL server holds its share
 
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phase", choices=("all", "shared", "memory"), default="all",
                     help="run both parts, or one of them in its own call (default all)")
     a = ap.parse_args(argv)
-    rec = e2e.Record(a.out, a.work, fs.log, cases={})
+    rec = e2e.Record(a.out, a.work, log, cases={})
     t0, summary, failures, check, save = rec.t0, rec.summary, rec.failures, rec.check, rec.save
     host = rec.host("shared_experts.py")
     if host is None:
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     left = a.budget - (time.monotonic() - t0)
     if a.phase == "shared":
         save()
-        fs.log(f"done in {summary['seconds']} s; failed: {failures or 'none'}")
+        log(f"done in {summary['seconds']} s; failed: {failures or 'none'}")
         return 1 if failures else 0
     if left < 150:
         check("memory: reservation measured", False, f"no time left ({left:.0f} s)")
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in (*mem.values(), *over.values()):
             s.stop()
     save()
-    fs.log(f"done in {summary['seconds']} s; failed: {failures or 'none'}")
+    log(f"done in {summary['seconds']} s; failed: {failures or 'none'}")
     return 1 if failures else 0
 
 

@@ -35,3 +35,12 @@ def test_host_versions_reach_the_summary_with_the_date(tmp_path: Path, monkeypat
     assert rec.host("x.py") is got
     assert set(rec.summary["host"]) == {"vllm", "torch", "gpu", "date"}
     assert rec.summary["host"]["vllm"] == "0.26.0"
+
+
+def test_each_scripts_lines_carry_its_own_name(capsys) -> None:
+    # a console holding several scripts' runs must say which script wrote a line
+    e2e.logger("dflash_bench")("PASS x")
+    e2e.log("PASS y")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[dflash_bench ") and out[0].endswith("] PASS x")
+    assert out[1].startswith("[e2e ") and out[1].endswith("] PASS y")
