@@ -169,6 +169,8 @@ def test_vllm_unit_runs_the_image_with_the_exact_argv(tmp_path: Path) -> None:
     assert unit_value(unit, "ExecStop") == [
         f"{tmp_path}/docker stop --time {ctx['serve_stop_timeout']} sparkllm-vllm-mtp"
     ]
+    # no container outlives its unit: a stop between docker run's create and start leaves it Created
+    assert unit_value(unit, "ExecStopPost") == [f"-{tmp_path}/docker rm -f sparkllm-vllm-mtp"]
 
     docker = tmp_path / "docker"
     docker.write_text('#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done\n')
@@ -341,6 +343,9 @@ def test_ray_unit_container_runs_ray_start_in_the_image() -> None:
     assert "--volume" in argv and "/srv/model:/model:ro" in argv
     assert unit_value(unit, "EnvironmentFile") == ["/etc/sparkllm/cluster.env"]
     assert "sha256 abc123" in unit  # a changed environment changes the unit, hence restarts Ray
+    name = ctx["_ray_cluster_container"]
+    assert unit_value(unit, "ExecStopPost") == [f"-{ctx['ray_cluster_docker_bin']} rm -f {name}"]
+    assert unit_value(unit, "ExecStartPre") == [f"-{ctx['ray_cluster_docker_bin']} rm -f {name}"]
 
 
 @pytest.mark.parametrize("runtime", ["container", "venv"])
