@@ -5,7 +5,7 @@
 #   .stage/part* (vLLM 0.20.0 + its missing packages), .stage/*.whl (xgrammar, apache_tvm_ffi),
 #   the CUDA 13.0 compiler wheels for FlashInfer's JIT (nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-crt
 #   13.0.88, nvidia-cuda-cccl 13.0.85: the host's runtime is 13.0) and fastsafetensors 0.5.0 (our pin).
-# Output: .gpuwork/bundle/partNN (61 MiB each; .gpuwork/ ignored through .git/info/exclude).
+# Output: .gpuwork/bundle/partNN (sized by part_mib.sh so one part and the tree fit a call; .gpuwork/ ignored through .git/info/exclude).
 # On the host: each call carries one part and runs `bash tests/gpu/gpu_host.sh stage`; the last adds
 # `&& bash tests/gpu/gpu_host.sh setup N`. Exit 0 done, 1 a step failed.
 set -euo pipefail
@@ -20,6 +20,7 @@ python3 -m pip download -q $PLAT -d "$W/b/fst" fastsafetensors==0.5.0
 cat .stage/part* | tar -x -C "$W/b"
 cp .stage/*.whl "$W/b/extra/"
 mkdir -p .gpuwork/bundle && rm -f .gpuwork/bundle/part*
-tar -cf - -C "$W/b" . | split -b 61M -d - .gpuwork/bundle/part
+part_mib=$(bash "$(dirname "$0")/part_mib.sh")   # one part + the working tree fit a 64 MiB call
+tar -cf - -C "$W/b" . | split -b "${part_mib}M" -d - .gpuwork/bundle/part
 rm -rf "$W"
 ls -la .gpuwork/bundle

@@ -68,13 +68,7 @@ PY
 python3 -m pip download -q --no-deps $PLAT -d "$W/b/wheels" -r "$W/need.txt"
 du -sh "$W/b/wheels"
 mkdir -p .gpuwork/bundle026 && rm -f .gpuwork/bundle026/part*
-# A call carries the working tree (tracked + untracked, not ignored) AND one part, 64 MiB in all: the part
-# is what is left after the tree and a 2 MiB margin (a 61 MiB part was ~9 KB over with a 3 MiB tree).
-tree_bytes=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r stat -c %s 2>/dev/null \
-  | awk '{ s += $1 } END { print s + 0 }')
-part_mib=$(( (64 * 1048576 - tree_bytes - 2 * 1048576) / 1048576 ))
-[ "$part_mib" -ge 8 ] || { echo "prepare_v026.sh: the working tree ($tree_bytes bytes) leaves no room for a part" >&2; exit 1; }
-echo "working tree $tree_bytes bytes: parts of $part_mib MiB"
+part_mib=$(bash "$(dirname "$0")/part_mib.sh")   # one part + the working tree fit a 64 MiB call
 tar -cf - -C "$W/b" . | split -b "${part_mib}M" -d - .gpuwork/bundle026/part
 cp "$W/need.txt" .gpuwork/bundle026/need.txt; cp "$W/dropped.txt" .gpuwork/bundle026/replaced.txt
 rm -rf "$W"
