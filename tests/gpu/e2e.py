@@ -121,8 +121,21 @@ def logger(prog: str):
 log = logger("e2e")
 
 
+TIMED_OUT = 124  # run's return code for a command stopped at its timeout (as timeout(1) says it)
+
+
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, check=False, **kw)
+    """cmd's result with its output as text; a command that outruns ``timeout`` is killed and comes back
+    as a failed result (TIMED_OUT, what it printed so far and a last line naming the limit), so the
+    caller records a failed check and the run's summary is still written."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False, **kw)
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        return subprocess.CompletedProcess(
+            cmd, TIMED_OUT, text(e.stdout),
+            text(e.stderr) + f"\nstopped after its {e.timeout:.0f} s timeout: "
+            + " ".join(Path(c).name for c in cmd[:3]) + "\n")
 
 
 # ------------------------------------------------------------------ pipeline
@@ -762,10 +775,13 @@ def main(argv: list[str] | None = None) -> int:
                        str(a.out / "report"), "--no-charts"])
             check("report written", rep.returncode == 0 and (a.out / "report" / "report.md").exists(),
                   (rep.stdout + rep.stderr)[-400:])
+    except Exception as e:  # the figures so far still go to summary.json, with what stopped the run
+        check("run finished without an exception", False, f"{type(e).__name__}: {e}"[:600])
+        raise
     finally:
         for s in servers.values():
             s.stop()
-    rec.save()
+        rec.save()
     print("E2E SUMMARY " + json.dumps({k: summary[k] for k in ("host", "figures", "failed", "seconds")}),
           flush=True)
     return 1 if failures else 0

@@ -44,3 +44,15 @@ def test_each_scripts_lines_carry_its_own_name(capsys) -> None:
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("[dflash_bench ") and out[0].endswith("] PASS x")
     assert out[1].startswith("[e2e ") and out[1].endswith("] PASS y")
+
+
+def test_a_command_past_its_timeout_is_a_failed_result_not_a_traceback() -> None:
+    # a bench run that outruns the call's budget must become a failed check; the summary is still saved
+    import sys
+    r = e2e.run([sys.executable, "-c", "import sys, time; print('so far', flush=True); "
+                 "print('warn', file=sys.stderr, flush=True); time.sleep(30)"], timeout=1)
+    assert r.returncode == e2e.TIMED_OUT == 124
+    assert r.stdout == "so far\n"
+    assert r.stderr.startswith("warn\n") and "stopped after its 1 s timeout" in r.stderr
+    ok = e2e.run([sys.executable, "-c", "print(2)"], timeout=30)
+    assert (ok.returncode, ok.stdout) == (0, "2\n")
