@@ -694,20 +694,20 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError, KeyError) as e:
                 tool_ok, detail = False, f"{type(e).__name__}: {e}"
             check("tool calling: a request with tools is served (was HTTP 400)", tool_ok, detail)
-        rec = servers.get("recipe-mtp")
-        summary["recipe_without_mtp_index_patch"] = None if rec is None else {
-            "state": states["recipe-mtp"], "exit_code": rec.exit_code,
+        recipe = servers.get("recipe-mtp")
+        summary["recipe_without_mtp_index_patch"] = None if recipe is None else {
+            "state": states["recipe-mtp"], "exit_code": recipe.exit_code,
             "error": [ln[:300] for ln in text["recipe-mtp"].splitlines()
                       if re.search(r"Error|error:|missing|not found", ln)][-4:],
             "mtp_lines": [ln[:200] for ln in text["recipe-mtp"].splitlines()
                           if re.search(r"(?i)mtp|draft|speculat", ln)][:6]}
         if "recipe-mtp" in results:
-            m = scrape(rec)
+            m = scrape(recipe)
             summary["recipe_without_mtp_index_patch"].update(
                 drafts=m.get(DRAFTS), draft_tokens=m.get(DRAFT_TOKENS), accepted=m.get(ACCEPTED),
                 same_tokens_as_baseline=compare(results["hybrid-base"], results["recipe-mtp"])["same_tokens"]
                 if "hybrid-base" in results else None)
-        if rec is not None:
+        if recipe is not None:
             check("recipe variant (no MTP index patch) outcome recorded", True,
                   summary["recipe_without_mtp_index_patch"])
 
