@@ -167,7 +167,7 @@ def test_vllm_unit_runs_the_image_with_the_exact_argv(tmp_path: Path) -> None:
     others = {f"sparkllm-vllm-{m}.service" for m in catalogue() if m != "mtp"}
     assert set(unit_value(unit, "Conflicts")[0].split()) == others
     assert unit_value(unit, "ExecStop") == [
-        f"{tmp_path}/docker stop --time {ctx['serve_stop_timeout']} sparkllm-vllm-mtp"
+        f"{tmp_path}/docker stop -t {ctx['serve_stop_timeout']} sparkllm-vllm-mtp"
     ]
     # no container outlives its unit: a stop between docker run's create and start leaves it Created
     assert unit_value(unit, "ExecStopPost") == [f"-{tmp_path}/docker rm -f sparkllm-vllm-mtp"]
