@@ -285,10 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                            str(a.out / "report"), "--no-charts"])
             check("report written", rep.returncode == 0 and (a.out / "report" / "report.md").exists(),
                   (rep.stdout + rep.stderr)[-400:])
-    finally:
+    finally:  # summary.json however the run ends
         for s in servers.values():
             s.stop()
-    save()
+        save()
     print("DFLASH_BENCH SUMMARY " + json.dumps({"host": summary["host"], "failed": failures,
                                                 "seconds": summary["seconds"]}), flush=True)
     return 1 if failures else 0

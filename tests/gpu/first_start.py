@@ -280,10 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             summary["load_time_s"] = {"safetensors": st, "fastsafetensors": fst}
             used = "Fastsafetensor" in servers["fst-base"].log_text()
             check("fst-base: weights loaded by fastsafetensors", used and bool(fst), summary["load_time_s"])
-    finally:
+    finally:  # summary.json however the run ends
         for s in servers.values():
             s.stop()
-    rec.save()
+        rec.save()
     print("FIRST_START SUMMARY " + json.dumps({"host": summary["host"], "failed": failures,
                                                "seconds": summary["seconds"]}), flush=True)
     return 1 if failures else 0

@@ -192,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                     else "negative control: the 1/16 shared experts FAIL the same check"
                 )
                 check(name, tracks is must, cmp)
-        save()
-    finally:
+    finally:  # summary.json however the phase ends
         for s in servers.values():
             s.stop()
+        save()
 
     # 2. memory reservation, one server alone, then one asking for more than is free
     left = a.budget - (time.monotonic() - t0)
@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                 refused,
                 summary["memory"]["over"],
             )
-    finally:
+    finally:  # summary.json however the run ends
         for s in (*mem.values(), *over.values()):
             s.stop()
-    save()
+        save()
     log(f"done in {summary['seconds']} s; failed: {failures or 'none'}")
     return 1 if failures else 0
 
