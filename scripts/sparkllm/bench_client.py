@@ -80,8 +80,11 @@ class RequestResult:
     continuous_usage: bool = False
     raw_chunks: int = 0
     text: str = ""  # the output (content and reasoning deltas, concatenated)
+    answer: str = ""  # the content alone (no reasoning): what a client carries into the next turn
     arrival_s: float | None = None  # rate mode: planned send time, seconds after the measured phase began
     lag_s: float | None = None  # rate mode: how late the request was dispatched
+    t_end: float | None = None  # a whole (non-streamed) request: when its response was read in full
+    turn: int | None = None  # agent profile: the turn of its conversation (1 = the first request)
 
     # ---- derived per-request metrics (definitions: the docstring of sparkllm/bench_runner.py)
     @property
@@ -98,7 +101,15 @@ class RequestResult:
 
     @property
     def e2e_s(self) -> float | None:
+        if self.t_end is not None:  # a whole (non-streamed) request: send to the response's last byte
+            return self.t_end - self.t0 if self.ok else None
         return self.token_times[-1] - self.t0 if self.ok and self.token_times else None
+
+    @property
+    def e2e_tok_s(self) -> float | None:
+        """The public records' figure: completion tokens / request wall time, prefill included."""
+        n, e = self.output_tokens, self.e2e_s
+        return n / e if n and e else None
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -137,7 +148,7 @@ class RequestResult:
                 "continuous_usage": self.continuous_usage, "prompt_tokens": self.prompt_tokens,
                 "prefill_tok_s": self.prefill_tok_s, "output_sha256": self.output_sha256,
                 "output_text": self.text if self.ok else None, "arrival_s": self.arrival_s,
-                "lag_s": self.lag_s}
+                "lag_s": self.lag_s, "e2e_tok_s": self.e2e_tok_s, "turn": self.turn}
 
 
 @dataclass
@@ -145,17 +156,20 @@ class Sampling:
     max_tokens: int = 256
     temperature: float = 0.0
     seed: int | None = 0
-    thinking: str = "off"
+    thinking: str = "off"  # on / off (sent as enable_thinking), default (the chat template's own: not sent)
+    stream: bool = True  # False: one whole response per request (the records profile)
 
 
 def build_payload(model: str, prompt: Prompt, s: Sampling, continuous: bool) -> dict[str, Any]:
-    opts: dict[str, Any] = {"include_usage": True}
-    if continuous:
-        opts["continuous_usage_stats"] = True
-    body: dict[str, Any] = {"model": model, "messages": prompt.messages, "stream": True,
-                            "max_tokens": s.max_tokens, "temperature": s.temperature,
-                            "stream_options": opts,
-                            "chat_template_kwargs": {"enable_thinking": s.thinking == "on"}}
+    body: dict[str, Any] = {"model": model, "messages": prompt.messages, "stream": s.stream,
+                            "max_tokens": prompt.max_tokens or s.max_tokens, "temperature": s.temperature}
+    if s.stream:
+        opts: dict[str, Any] = {"include_usage": True}
+        if continuous:
+            opts["continuous_usage_stats"] = True
+        body["stream_options"] = opts
+    if s.thinking in ("on", "off"):
+        body["chat_template_kwargs"] = {"enable_thinking": s.thinking == "on"}
     if s.seed is not None:
         body["seed"] = s.seed
     return body
@@ -189,6 +203,58 @@ class UnsupportedOption(Exception):
     """The server rejected continuous_usage_stats."""
 
 
+def _message_text(obj: dict[str, Any]) -> str:
+    """A whole response's output text: reasoning, content and tool calls, in the order a stream sends them."""
+    out = []
+    for ch in obj.get("choices") or []:
+        msg = ch.get("message") or {}
+        for key in ("reasoning_content", "reasoning", "content"):
+            v = msg.get(key)
+            if isinstance(v, str):
+                out.append(v)
+        if msg.get("tool_calls"):
+            out.append(json.dumps(msg["tool_calls"], sort_keys=True))
+    return "".join(out)
+
+
+def whole_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> None:
+    """Send one non-streamed request and time it whole (send to the response's last byte), as the public
+    records' harnesses do; fills res.output_tokens/text/t_end; never raises for HTTP errors."""
+    conn = ep._conn()
+    try:
+        body = json.dumps(payload).encode()
+        res.t0 = time.monotonic()
+        conn.request("POST", ep.path("/v1/chat/completions"), body=body, headers=ep.headers())
+        r = conn.getresponse()
+        raw = r.read()
+        t_end = time.monotonic()
+        if r.status != 200:
+            res.error = f"HTTP {r.status}: {raw[:300].decode('utf-8', 'replace')}"
+            return
+        obj = json.loads(raw)
+        usage = obj.get("usage") or {}
+        if usage.get("completion_tokens") is None:
+            res.error = "no usage in the response (not an OpenAI-compatible server?)"
+            return
+        res.output_tokens = int(usage["completion_tokens"])
+        if usage.get("prompt_tokens") is not None:
+            res.prompt_tokens = int(usage["prompt_tokens"])
+        res.text = _message_text(obj)
+        res.answer = "".join(str((ch.get("message") or {}).get("content") or "")
+                             for ch in obj.get("choices") or [])
+        res.t_end = t_end
+        res.ok = True
+    except (OSError, http.client.HTTPException, ValueError, TypeError, AttributeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+
+
+def send_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> None:
+    """The payload's way: streamed (stream_request) or whole (whole_request)."""
+    (stream_request if payload.get("stream") else whole_request)(ep, payload, res)
+
+
 def stream_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> None:
     """Send one streaming request, filling res.token_times/output_tokens; never raises for HTTP errors."""
     conn = ep._conn()
@@ -218,6 +284,7 @@ def _consume_sse(r: http.client.HTTPResponse, res: RequestResult) -> None:
     content_times: list[float] = []
     usage_times: list[float] = []
     parts: list[str] = []
+    answer: list[str] = []
     done = False
     while True:
         line = r.readline()
@@ -251,6 +318,7 @@ def _consume_sse(r: http.client.HTTPResponse, res: RequestResult) -> None:
         if has_choices and _chunk_has_content(obj):
             content_times.append(t)
             parts.append(_chunk_text(obj))
+            answer.extend(str((ch.get("delta") or {}).get("content") or "") for ch in obj["choices"])
     if not done:
         res.error = "stream ended without [DONE]"
         return
@@ -260,4 +328,5 @@ def _consume_sse(r: http.client.HTTPResponse, res: RequestResult) -> None:
         return
     res.output_tokens = final_usage
     res.text = "".join(parts)
+    res.answer = "".join(answer)
     res.ok = True

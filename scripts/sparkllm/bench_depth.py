@@ -18,6 +18,7 @@ methods and repetitions, so outputs are comparable, while the prefix cache canno
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import random
@@ -133,7 +134,7 @@ def at_depth(p: Prompt, words: int, window: int, fill: Filler | None = None) -> 
     last = p.messages[-1]
     content = (f"Background notes (section {window}):\n{filler(words, window, fill)}\n\n"
                f"Set the notes aside and answer this: {last.get('content', '')}")
-    return Prompt(p.id, p.category, [*p.messages[:-1], {"role": "user", "content": content}])
+    return dataclasses.replace(p, messages=[*p.messages[:-1], {"role": "user", "content": content}])
 
 
 def salted_payload(model: str, prompt: Prompt, s: Sampling, continuous: bool) -> dict[str, Any]:

@@ -27,6 +27,22 @@ class Prompt:
     id: str
     category: str
     messages: list[dict[str, str]]
+    # this prompt's own token limit (a prompt file's optional "max_tokens"; None: the run's --max-tokens)
+    max_tokens: int | None = None
+    # later user turns of an agent conversation (optional "followups": the agent profile sends them one
+    # by one, each after the previous answer, so every turn shares the growing prefix)
+    followups: tuple[str, ...] = ()
+
+
+def _prompt(obj: dict[str, Any]) -> Prompt:
+    """One prompt line's object -> Prompt; ValueError/KeyError/TypeError naming a bad field."""
+    limit = obj.get("max_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"max_tokens {limit!r} is not a positive integer")
+    follow = obj.get("followups") or []
+    if not isinstance(follow, list) or not all(isinstance(x, str) and x.strip() for x in follow):
+        raise ValueError("followups must be a list of non-empty strings")
+    return Prompt(str(obj["id"]), str(obj["category"]), list(obj["messages"]), limit, tuple(follow))
 
 
 def load_prompts(path: Path, category: str | None = None) -> tuple[list[Prompt], str]:
@@ -41,18 +57,19 @@ def load_prompts(path: Path, category: str | None = None) -> tuple[list[Prompt],
             continue
         try:
             obj = json.loads(line)
-            p = Prompt(str(obj["id"]), str(obj["category"]), list(obj["messages"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"{path}:{no}: bad prompt line ({exc}); expected JSON with id, category, "
-                             "messages") from exc
+            p = _prompt(obj)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UsageError(f"{path}:{no}: bad prompt line ({exc}); expected JSON with id, category, "
+                             "messages (optional: max_tokens, a positive integer; followups, a list of "
+                             "strings)") from exc
         if not p.messages or p.messages[-1].get("role") != "user":
-            raise SystemExit(f"{path}:{no}: prompt {p.id} must end with a user message")
+            raise UsageError(f"{path}:{no}: prompt {p.id} must end with a user message")
         prompts.append(p)
     if category:
         wanted = set(category.split(","))
         prompts = [p for p in prompts if p.category in wanted]
     if not prompts:
-        raise SystemExit(f"no prompts selected from {path} (category filter: {category!r})")
+        raise UsageError(f"no prompts selected from {path} (category filter: {category!r})")
     return prompts, hashlib.sha256(raw).hexdigest()
 
 
