@@ -10,6 +10,8 @@ Subcommands
 ``lookup``        (controller) print the valid run stored for a configuration hash + repetition.
 ``report``        (controller; matplotlib imported lazily) Markdown report + PNG charts.
 ``fetch-prompts`` download Spec-Bench ``question.jsonl`` (pinned commit + sha256) and convert it.
+``ceiling``       (stdlib) bytes read per generated token of a checkpoint directory and the decode
+                  ceiling they allow (``sparkllm.bench_ceiling``); ``run --model-dir`` stores it per run.
 
 Exit codes: 0 success; 1 the work failed (``run``: nothing answers at ``--base-url``, or the run is
 invalid: it is still written and stored, marked invalid, and one line on stderr says why, also with
@@ -35,6 +37,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from sparkllm import bench_ceiling
 from sparkllm.bench_client import Endpoint, Sampling
 from sparkllm.bench_common import (
     DEFAULT_PROMPTS,
@@ -53,6 +56,7 @@ from sparkllm.bench_depth import (
 )
 from sparkllm.bench_prompts import fetch_prompts, load_prompts
 from sparkllm.bench_rate import parse_goodput, rate_list
+from sparkllm.bench_records import PROFILE_DEFAULTS, PROFILES, ProfileDefaults
 from sparkllm.bench_runner import RunOptions, execute_run
 from sparkllm.bench_store import (
     REQUEST_COLUMNS,
@@ -60,6 +64,7 @@ from sparkllm.bench_store import (
     STORE_NAME,
     atomic_write_json,
     check_store,
+    check_writable,
     find_run,
     import_runs,
     open_store,
@@ -143,7 +148,10 @@ def check_base_url(url: str) -> str:
         raise UsageError(f"--base-url {url!r}: port 0 is not a server port; {fix}")
     if u.query or u.fragment or u.username or u.password:
         raise UsageError(f"--base-url {url!r}: no query, fragment or credentials (use --api-key-file); {fix}")
-    return url.strip().rstrip("/")
+    url = url.strip().rstrip("/")
+    # the server's root, not its OpenAI prefix: vLLM serves /metrics beside /v1, at the root
+    # (vllm/entrypoints/serve/instrumentator/metrics.py:41), and the bench adds /v1/... itself
+    return url[:-3].rstrip("/") if url.endswith("/v1") else url
 
 
 def check_reachable(ep: Endpoint, timeout: float = 10.0) -> None:
@@ -176,8 +184,12 @@ def read_api_key(path: str | None) -> str | None:
 
 def int_list(text: str, flag: str, lo: int) -> list[int]:
     """``1,2,4`` -> [1, 2, 4]; UsageError naming the flag for anything else (duplicates, < lo)."""
+    items = str(text).split(",")
+    if len(items) > 1 and not all(x.strip() for x in items):
+        raise UsageError(f"{flag} {text!r}: an empty item (two commas, or one at an end); list integers, "
+                         f"e.g. {flag} 1,2,4")
     try:
-        vals = [int(x) for x in str(text).split(",") if x.strip()]
+        vals = [int(x) for x in items if x.strip()]
     except ValueError:
         raise UsageError(f"{flag} {text!r}: expected comma-separated integers, e.g. {flag} 1,2,4") from None
     if not vals or min(vals) < lo or len(set(vals)) != len(vals):
@@ -207,20 +219,49 @@ def _rate_args(a: argparse.Namespace) -> tuple[list[float | None], int | None, f
     return rates, a.num_requests, a.duration
 
 
+def _profile_args(a: argparse.Namespace) -> tuple[ProfileDefaults, str, str, int]:
+    """(the profile's defaults, prompts file, thinking, warm-up requests) with the command line's choices on
+    top; UsageError for a combination the profile cannot measure."""
+    prof = PROFILE_DEFAULTS[a.profile]
+    if a.profile != "decode":
+        for flag, bad in (("--request-rate", a.request_rate is not None),
+                          ("--depth", a.depth not in ("0", "")), ("--warmup", a.warmup is not None)):
+            if bad:
+                why = ("discards its whole first pass instead of warm-up requests" if flag == "--warmup"
+                       else "has its own prompts and single-stream protocol")
+                raise UsageError(f"{flag} does not apply to --profile {a.profile}: that profile {why}; drop "
+                                 f"{flag} or use --profile decode")
+    if a.profile == "agent" and a.concurrency not in (None, "1"):
+        raise UsageError("--profile agent runs one conversation at a time; drop --concurrency")
+    prompts = a.prompts or str(prof.prompts or DEFAULT_PROMPTS)
+    thinking = a.thinking or prof.thinking
+    warmup = 2 if a.warmup is None else a.warmup
+    return prof, prompts, thinking, warmup
+
+
 def cmd_run(a: argparse.Namespace) -> int:
+    prof, a.prompts, a.thinking, a.warmup = _profile_args(a)
     rates, num_requests, duration = _rate_args(a)
     levels = int_list(a.concurrency or "1", "--concurrency", 1)
     depths = int_list(a.depth, "--depth", 0)
     targets = parse_goodput(a.goodput)
     if a.repeats < 1 or a.warmup < 0 or a.max_tokens < 2:
         raise UsageError("need --repeats >= 1, --warmup >= 0, --max-tokens >= 2")
+    if a.agent_context_words < 0:
+        raise UsageError("--agent-context-words must be >= 0 (0: no background), e.g. 3000")
     if not 0 < a.depth_tolerance < 0.5:
         raise UsageError("--depth-tolerance must be a fraction between 0 and 0.5, e.g. 0.05")
+    if not 0 <= a.temperature < float("inf"):  # vLLM refuses a negative one (vllm/sampling_params.py:452)
+        raise UsageError(f"--temperature {a.temperature:g}: must be 0 (greedy) or more, e.g. --temperature 0")
     base_url = check_base_url(a.base_url)
+    if base_url != a.base_url.strip().rstrip("/"):
+        print(f"bench.py run: note: --base-url {a.base_url} ends in /v1; using {base_url} (the bench adds "
+              "/v1/... and /metrics itself)", file=sys.stderr)
     api_key = read_api_key(a.api_key_file)
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory; pass a results directory")
+    _check_out(out, "--out")  # an output the run cannot write is refused before anything is measured
     load_prompts(Path(a.prompts), a.category)  # bad or missing prompts: a usage error, before any request
     depth_text = None
     if a.depth_text:
@@ -229,6 +270,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         depth_text = load_filler(Path(a.depth_text))
         check_text_covers(depth_text, depths)
     meta = _read_meta(a.meta_json)
+    ceiling = bench_ceiling.for_run(a, meta)  # None without --model-dir
     ep = Endpoint(base_url, api_key)
     check_reachable(ep)
     check_depths([d for d in depths if d], a.max_tokens, served_max_len(ep.get_json("/v1/models"), a.model))
@@ -239,17 +281,34 @@ def cmd_run(a: argparse.Namespace) -> int:
                 opts = RunOptions(base_url=base_url, model=a.model, label=a.label, out=out,
                                   prompts=Path(a.prompts), category=a.category, repeats=a.repeats,
                                   warmup=a.warmup, concurrency=level, api_key=api_key, meta=meta,
-                                  sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking),
+                                  sampling=Sampling(a.max_tokens, a.temperature, a.seed, a.thinking,
+                                                    prof.stream),
+                                  profile=a.profile, warmup_pass=prof.warmup_pass,
+                                  agent_context_words=a.agent_context_words,
                                   progress=not a.quiet, depth=depth, depth_tolerance=a.depth_tolerance,
                                   depth_text=depth_text,
                                   request_rate=rate, num_requests=num_requests, duration_s=duration,
                                   arrival_seed=a.arrival_seed, goodput=targets)
-                failed += _one_run(opts)
+                failed += _one_run(opts, ceiling)
     return 1 if failed else 0
 
 
-def _one_run(opts: RunOptions) -> int:
+def _check_out(out: Path, flag: str) -> None:
+    """UsageError (naming the path and the fix) unless a file can be written in ``out`` (or where it would be
+    made) and its results store, when there is one, is a store that can be written; nothing is changed."""
+    from sparkllm.outdir import OutputRefused, probe_writable
+
+    try:
+        probe_writable(out, flag)
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
+    check_store(out / STORE_NAME)
+    check_writable(out / STORE_NAME)
+
+
+def _one_run(opts: RunOptions, ceiling: dict[str, Any] | None = None) -> int:
     doc = execute_run(opts)
+    bench_ceiling.attach(doc, ceiling)
     path = opts.out / f"{doc['run_id']}.json"
     atomic_write_json(path, doc)
     conn = open_store(opts.out)
@@ -328,7 +387,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     import io
 
     from sparkllm.fileio import write_bytes_atomic
-    from sparkllm.outdir import OutputRefused, check_output_dir, write_marker
+    from sparkllm.outdir import OutputRefused, check_output_dir, probe_writable, write_marker
 
     store = Path(a.dir)
     if not (store / STORE_NAME).is_file():
@@ -337,6 +396,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else store / "export"
     try:
         check_output_dir(out, "bench.py export", flag="--out")
+        probe_writable(out, "--out")
     except OutputRefused as exc:
         raise UsageError(str(exc)) from None
     out.mkdir(parents=True, exist_ok=True)
@@ -395,11 +455,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", required=True, help="served model name")
     r.add_argument("--label", required=True, help="method/config label, e.g. mtp-k2")
     r.add_argument("--out", required=True, help="results directory (run JSON + results.sqlite)")
-    r.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt set")
+    r.add_argument("--profile", choices=PROFILES, default="decode",
+                   help="what to measure: decode (streamed decode tok/s, thinking off), records (the public "
+                        "records' protocol: whole non-streamed requests, the chat template's thinking "
+                        "default, a token limit per prompt, first pass discarded, e2e tok/s), agent "
+                        "(multi-turn conversations sharing a growing prefix: TTFT of later turns) "
+                        "(default: decode)")
+    r.add_argument("--prompts", default=None,
+                   help="JSONL prompt set; a line may carry its own max_tokens (and, for agent, followups) "
+                        "(default: the profile's set: prompts.jsonl, records.jsonl or agent.jsonl)")
     r.add_argument("--category", default=None, help="only these categories, comma separated (default: all)")
     r.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
-    r.add_argument("--warmup", type=int, default=2, help="warm-up requests, not measured")
-    r.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request")
+    r.add_argument("--warmup", type=int, default=None,
+                   help="decode profile: warm-up requests, not measured (default 2; records and agent "
+                        "discard a whole first pass instead)")
+    r.add_argument("--max-tokens", type=int, default=256,
+                   help="tokens generated per request, for a prompt without its own max_tokens")
     r.add_argument("--concurrency", default=None,
                    help="requests in flight at once; a list (1,2,4) measures one run per level (default 1)")
     r.add_argument("--request-rate", default=None,
@@ -430,10 +501,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding the server's API key (default: none, no Authorization header)")
     r.add_argument("--meta-json", default=None,
                    help="JSON object or file with serve args, spec config, ... (default: none)")
-    r.add_argument("--thinking", choices=("on", "off"), default="off", help="the model's thinking mode")
+    r.add_argument("--thinking", choices=("on", "off", "default"), default=None,
+                   help="the model's thinking mode; default = the chat template's own (not sent) "
+                        "(default: off for decode and agent, the template's default for records)")
+    r.add_argument("--agent-context-words", type=int, default=3000,
+                   help="agent profile: words of background in each conversation's first turn (~4k tokens)")
     r.add_argument("--quiet", action="store_true",
                    help="no progress line (the summary, the written path and, for a failed run, the one "
                         "line saying why are still printed)")
+    bench_ceiling.add_run_options(r)
     r.set_defaults(func=cmd_run)
     i = parser("import", "merge run JSON files into a store directory (idempotent)")
     i.add_argument("paths", nargs="+", help="run JSON files or directories holding them")
@@ -467,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--sha256", default=None, help="override the pinned sha256 (default: the manifest's)")
     f.add_argument("--allow-unpinned", action="store_true", help="accept a source without a pinned sha256")
     f.set_defaults(func=cmd_fetch_prompts)
+    bench_ceiling.add_parser(parser)
     return p
 
 

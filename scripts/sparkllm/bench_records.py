@@ -20,12 +20,18 @@ measured by this toolkit. Only records timed with the records profile's protocol
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sparkllm.bench_common import SCRIPTS_DIR
 
 PROFILES = ("decode", "records", "agent")
+PROTOCOL = ("non-streamed chat completions, the chat template's thinking default, a token limit per "
+            "prompt, the first pass discarded, tok/s = completion tokens / request wall time (prefill "
+            "included), mean over prompts per pass, mean over passes")
 RECORDS_PROMPTS = SCRIPTS_DIR / "prompts" / "records.jsonl"
 AGENT_PROMPTS = SCRIPTS_DIR / "prompts" / "agent.jsonl"
 
@@ -83,3 +89,74 @@ RECORDS: tuple[Record, ...] = (
 
 def best_record() -> Record:
     return max(RECORDS, key=lambda r: r.tok_s)
+
+
+# --- the report's section (controller; standard library) -----------------------------------------------
+
+def _profile(m: Any) -> str:
+    return str(json.loads(m.context).get("profile") or "decode")
+
+
+def _figure(m: Any) -> tuple[float | None, float | None, float | None]:
+    """(mean, 95 % low, 95 % high) of a records row: the mean over its runs' figures, with the interval over
+    runs, or a single run's own interval over its passes."""
+    if len(m.runs) == 1:
+        rec = m.runs[0].doc.get("records") or {}
+        return rec.get("tok_s_mean"), rec.get("ci95_low"), rec.get("ci95_high")
+    rm = m.run_medians
+    return rm.get("mean"), rm.get("ci95_low"), rm.get("ci95_high")
+
+
+def _f(v: float | None, nd: int = 2) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def table_lines(stats: Sequence[Any]) -> list[str]:
+    """The owner's records-profile rows beside the published records (same protocol), then the records."""
+    rows = [m for m in stats if _profile(m) == "records"]
+    best = best_record()
+    lines = ["## Against the public records (one Spark, this model)", ""]
+    if rows:
+        lines += [f"Measured with the records profile (`bench.py run --profile records`): {PROTOCOL}. "
+                  f"Ratio = your mean / the record's figure.", "",
+                  "| your row | tok/s mean [95% CI] | per prompt | mean acceptance length | "
+                  + " | ".join(f"vs {r.holder} {r.tok_s:g}" for r in RECORDS) + " |",
+                  "|---|---|---|---|" + "---|" * len(RECORDS)]
+        for m in rows:
+            mean, lo, hi = _figure(m)
+            per = {}
+            for r in m.runs:
+                for pid, v in ((r.doc.get("records") or {}).get("per_prompt") or {}).items():
+                    per.setdefault(pid, []).append(v)
+            per_txt = ", ".join(f"{pid.removeprefix('records-')} {sum(v) / len(v):.1f}"
+                                for pid, v in sorted(per.items())) or "-"
+            ci = f" [{_f(lo)}-{_f(hi)}]" if lo is not None else ""
+            ratios = " | ".join(f"{mean / r.tok_s:.2f}x" if mean else "-" for r in RECORDS)
+            lines.append(f"| {m.label} | {_f(mean)}{ci} | {per_txt} | {_f(m.acc_len)} | {ratios} |")
+    else:
+        lines.append("No run of the records profile in this store, so nothing here can be set beside the "
+                     "records (decode tok/s is another measure): `bench.py run --profile records` (the "
+                     "deploy's default, `bench_profile: records`) measures one.")
+    lines += ["", "| record | tok/s | configuration | vLLM | harness | source | published |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.holder}{' (best)' if r is best else ''} | {r.tok_s:g} {r.spread} | {r.config} "
+              f"| {r.vllm} | {r.harness} | {r.source} | {r.published} |" for r in RECORDS]
+    lines += ["", "The records are quoted from their sources, not measured here; a Spark's own figure "
+              "differs with its driver, image and prompts, so read the ratio as a rough position, not a "
+              "verdict.", ""]
+    return lines
+
+
+def summary_lines(stats: Sequence[Any]) -> list[str]:
+    """One printed line per records row: its mean beside the best record."""
+    best = best_record()
+    out = []
+    for m in stats:
+        if _profile(m) != "records":
+            continue
+        mean, lo, hi = _figure(m)
+        ci = f" [{_f(lo)}-{_f(hi)}]" if lo is not None else ""
+        ratio = f" = {mean / best.tok_s:.2f}x" if mean else ""
+        out.append(f"records profile {m.label}: {_f(mean)}{ci} tok/s end to end; best public record "
+                   f"{best.holder} {best.tok_s:g} tok/s ({best.config}, vLLM {best.vllm}){ratio}")
+    return out

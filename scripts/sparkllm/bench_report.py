@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sparkllm import bench_analysis
+from sparkllm import bench_analysis, bench_ceiling, bench_records
 from sparkllm.bench_common import REPORT_DIRNAME, UsageError, fmt, utc_now
 from sparkllm.bench_stats import describe, t975
 from sparkllm.bench_store import STORE_NAME, import_runs, open_store, record_output_checks
@@ -59,7 +59,7 @@ class RunRow:
                "prompts": p.get("sha256"), "categories": p.get("category_filter"),
                "topology": m.get("topology"), "input_depth": m.get("input_depth") or None,
                "request_rate": m.get("request_rate"), "goodput_targets": m.get("goodput_targets_ms"),
-               "checkpoint": m.get("model_manifest_sha256")}
+               "checkpoint": m.get("model_manifest_sha256"), "profile": m.get("profile") or "decode"}
         if m.get("input_depth"):  # a depth built from another text is another context
             ctx["filler"] = (m.get("depth") or {}).get("filler_sha256")
         return json.dumps(ctx, sort_keys=True, default=str)
@@ -81,18 +81,31 @@ def load_runs(store_dir: Path) -> list[RunRow]:
     try:
         rows = conn.execute("SELECT run_id, label, valid, problems, repetition, started_utc, "
                             "decode_tok_s_median, doc FROM runs ORDER BY started_utc, run_id").fetchall()
-        reqs = conn.execute("SELECT run_id, category, decode_tok_s FROM requests WHERE ok = 1 "
-                            "AND decode_tok_s IS NOT NULL").fetchall()
+        # a row's figure per request: decode tok/s (decode profile), else the records' end-to-end tok/s
+        reqs = conn.execute("SELECT q.run_id, q.category, CASE WHEN coalesce(r.profile, 'decode') = 'decode' "
+                            "THEN q.decode_tok_s ELSE q.e2e_tok_s END AS tok_s FROM requests q JOIN runs r "
+                            "ON r.run_id = q.run_id WHERE q.ok = 1").fetchall()
     finally:
         conn.close()
     dec: dict[str, list[float]] = {}
     cats: dict[str, dict[str, list[float]]] = {}
     for r in reqs:
-        dec.setdefault(r["run_id"], []).append(r["decode_tok_s"])
-        cats.setdefault(r["run_id"], {}).setdefault(r["category"], []).append(r["decode_tok_s"])
-    return [RunRow(r["run_id"], r["label"], bool(r["valid"]), json.loads(r["problems"]), r["repetition"],
-                   r["started_utc"], r["decode_tok_s_median"], json.loads(r["doc"]), dec.get(r["run_id"], []),
-                   cats.get(r["run_id"], {})) for r in rows]
+        if r["tok_s"] is None:
+            continue
+        dec.setdefault(r["run_id"], []).append(r["tok_s"])
+        cats.setdefault(r["run_id"], {}).setdefault(r["category"], []).append(r["tok_s"])
+    out = []
+    for r in rows:
+        doc = json.loads(r["doc"])
+        median = r["decode_tok_s_median"]
+        if (doc.get("meta") or {}).get("profile") in ("records", "agent"):
+            # the run's figure: the records' mean over passes (agent: the median request)
+            median = ((doc.get("records") or {}).get("tok_s_mean")
+                      or ((doc.get("summary") or {}).get("e2e_tok_s") or {}).get("median"))
+        out.append(RunRow(r["run_id"], r["label"], bool(r["valid"]), json.loads(r["problems"]),
+                          r["repetition"], r["started_utc"], median, doc, dec.get(r["run_id"], []),
+                          cats.get(r["run_id"], {})))
+    return out
 
 
 def _ts(s: str | None) -> float:
@@ -184,12 +197,14 @@ def _row_names(keys: list[tuple[str, str | None, str, str | None]]) -> dict[tupl
     hash when a label still names several groups."""
     ctxs = {k: json.loads(k[2]) for k in keys}
     vary = [f for f in ("concurrency", "input_depth") if len({str(c.get(f)) for c in ctxs.values()}) > 1]
+    profiled = len({c.get("profile") or "decode" for c in ctxs.values()}) > 1
 
     def tags(c: dict[str, Any]) -> list[str]:
         closed = c.get("request_rate") is None
         out = [f"c={c.get('concurrency') or 0}"] if "concurrency" in vary and closed else []
         out += [f"r={float(c['request_rate']):g}"] if c.get("request_rate") is not None else []
-        return out + ([f"d={c.get('input_depth') or 0}"] if "input_depth" in vary else [])
+        out += [f"d={c.get('input_depth') or 0}"] if "input_depth" in vary else []
+        return out + ([str(c.get("profile") or "decode")] if profiled else [])
 
     base = {k: " ".join([k[0], *tags(ctxs[k])]) for k in keys}
     by_name: dict[str, list[tuple]] = {}
@@ -320,13 +335,16 @@ def provenance_lines(stats: Sequence[MethodStats]) -> list[str]:
 def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: str, charts: list[str],
                     notes: Sequence[str] = ()) -> str:
     lines = ["# Speculative decoding benchmark report", "",
-             f"Generated {utc_now()}. Decode tok/s is per request, (n-1)/decode time, pooled over the valid "
-             "runs of each method. Speedup = geometric mean of paired run-median ratios vs "
+             f"Generated {utc_now()}. tok/s is per request: decode tok/s, (n-1)/decode time, for rows of "
+             "the decode profile; end-to-end tok/s, completion tokens / request time with prefill, for rows "
+             "of the records and agent profiles (tagged so when a store holds several); pooled over the "
+             "valid runs of each method. Speedup = geometric mean of paired run-median ratios vs "
              f"`{baseline}` (pairs by repetition index, else closest start time) with a 95 % t-interval. "
              "\"Peak\" is only the labelled p95/max of per-request decode tok/s.", "",
              *bench_analysis.recommendation_lines(stats, baseline), "",
+             *bench_records.table_lines(stats),
              "## Method comparison", "",
-             "| method | runs | requests | decode tok/s median | p5-p95 | mean (95% CI of run medians) | CV "
+             "| method | runs | requests | tok/s median | p5-p95 | mean (95% CI of run medians) | CV "
              "| peak (p95 / max) | speedup vs baseline [95% CI] | TTFT median s | mean acceptance length "
              "| per-position acceptance |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -366,6 +384,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
         lines += [f"| {m.label} | {m.config_hash or '-'} | {m.baseline_row or '-'} | `{m.context}` |"
                   for m in stats]
     lines += bench_analysis.tables(stats, baseline)
+    lines += bench_ceiling.table_lines(stats)
     lines += provenance_lines(stats)
     lines += ["", "## Invalid runs (excluded from the comparison)", ""]
     if invalid:
@@ -528,8 +547,12 @@ def check_report_dir(out: Path, store_dir: Path) -> None:
     hold it. A directory holding only report files is an earlier report (written before reports were
     marked) and counts as ours.
     """
-    from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool
+    from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool, probe_writable
 
+    try:
+        probe_writable(out, "--out")  # before any work: the report is built beside it and swapped in
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
     out_r, store_r = Path(os.path.realpath(out)), Path(os.path.realpath(store_dir))
     if out_r == store_r or out_r in store_r.parents:
         raise UsageError(f"--out {out}: {'is' if out_r == store_r else 'holds'} the results store "

@@ -35,10 +35,12 @@ from sparkllm.bench_client import (
     Sampling,
     UnsupportedOption,
     build_payload,
+    send_request,
     stream_request,
 )
 from sparkllm.bench_common import DEFAULT_PROMPTS, SCRIPTS_DIR, utc_now
 from sparkllm.bench_depth import DEFAULT_TOLERANCE, Filler, at_depth, calibrate, salted_payload
+from sparkllm.bench_profiles import agent_summary, records_summary, run_agent, with_context
 from sparkllm.bench_prometheus import (
     M_ACC_POS,
     M_ACCEPTED,
@@ -55,6 +57,7 @@ from sparkllm.bench_prometheus import (
 )
 from sparkllm.bench_prompts import Prompt, load_prompts
 from sparkllm.bench_rate import arrivals, goodput, meets, run_open_loop
+from sparkllm.bench_records import PROFILES
 from sparkllm.bench_stats import describe, fit_iid_acceptance
 from sparkllm.bench_telemetry import Telemetry
 
@@ -88,6 +91,11 @@ class RunOptions:
     duration_s: float | None = None  # or every arrival before this many seconds
     arrival_seed: int = 0
     goodput: dict[str, float] = field(default_factory=dict)  # target name -> milliseconds
+    # sparkllm.bench_records: decode (streamed decode tok/s), records (the public records' protocol: whole
+    # requests, e2e tok/s), agent (multi-turn conversations sharing a growing prefix)
+    profile: str = "decode"
+    warmup_pass: bool = False  # discard a whole first pass over the prompts instead of `warmup` requests
+    agent_context_words: int = 3000  # agent: words of background in each conversation's first turn
 
 
 class Progress:
@@ -185,11 +193,11 @@ def _run_requests(ep: Endpoint, opts: RunOptions, work: list[RequestResult], pro
             build = salted_payload if opts.depth else build_payload
             payload = build(opts.model, prompts[res.prompt_id], opts.sampling, continuous)
             try:
-                stream_request(ep, payload, res)
+                send_request(ep, payload, res)
             except UnsupportedOption as exc:
                 res.error = f"server rejected stream options: {exc}"
             if prog:
-                tps = res.decode_tok_s
+                tps = res.decode_tok_s or res.e2e_tok_s
                 prog.step(f"{res.category} {tps:.1f} tok/s" if tps else (res.error or "")[:40])
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, opts.concurrency))]
@@ -223,7 +231,7 @@ def _run_rate(ep: Endpoint, opts: RunOptions, work: list[RequestResult], offsets
     def send(i: int) -> None:
         res = work[i]
         try:
-            stream_request(ep, build(opts.model, prompts[res.prompt_id], opts.sampling, continuous), res)
+            send_request(ep, build(opts.model, prompts[res.prompt_id], opts.sampling, continuous), res)
         except UnsupportedOption as exc:
             res.error = f"server rejected stream options: {exc}"
         if prog:
@@ -459,14 +467,28 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         prompts = [at_depth(p, cal.words, i, cal.fill) for i, p in enumerate(prompts)]
         by_id = {p.id: p for p in prompts}
         depth_meta = cal.as_dict()
-    continuous = _detect_continuous(ep, opts.model, prompts[0], opts.sampling, salted=bool(opts.depth))
-    warm = [RequestResult(-1 - i, prompts[i % len(prompts)].id, prompts[i % len(prompts)].category, -1)
-            for i in range(opts.warmup)]
-    _run_requests(ep, opts, warm, by_id, continuous, None)
+    if opts.profile not in PROFILES:
+        raise SystemExit(f"unknown profile {opts.profile!r}: one of {', '.join(PROFILES)}")
+    agent = opts.profile == "agent"
+    if agent:
+        prompts = [with_context(p, opts.agent_context_words, i) for i, p in enumerate(prompts)]
+        by_id = {p.id: p for p in prompts}
+    salted = bool(opts.depth) or agent  # the probe carries a cache_salt as the run's requests do
+    continuous = (_detect_continuous(ep, opts.model, prompts[0], opts.sampling, salted=salted)
+                  if opts.sampling.stream else False)
+    if agent and opts.warmup_pass:
+        run_agent(ep, opts.model, prompts, opts.sampling, continuous, 1)
+    else:
+        n_warm = len(prompts) if opts.warmup_pass else opts.warmup
+        warm = [RequestResult(-1 - i, prompts[i % len(prompts)].id, prompts[i % len(prompts)].category, -1)
+                for i in range(n_warm)]
+        _run_requests(ep, opts, warm, by_id, continuous, None)
     rate_work, offsets = _rate_work(prompts, opts) if opts.request_rate else ([], [])
     blocks = ([[(by_id[w.prompt_id], w.repeat) for w in rate_work]] if opts.request_rate
+              else [[(p, r) for r in range(opts.repeats) for p in prompts]] if agent
               else _blocks(prompts, opts.repeats, opts.concurrency))
-    total = sum(len(b) for b in blocks)
+    total = (sum(1 + len(p.followups) for p in prompts) * opts.repeats if agent
+             else sum(len(b) for b in blocks))
     prog = Progress(total, opts.label, opts.progress)
     snap0 = _quiet_snapshot(ep)
     sampler = RunningSampler(ep, opts.sample_interval, snap0)
@@ -484,6 +506,10 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         if opts.request_rate:
             work = rate_work
             rate_info = _run_rate(ep, opts, work, offsets, by_id, continuous, prog)
+        elif agent:
+            work = run_agent(ep, opts.model, prompts, opts.sampling, continuous, opts.repeats,
+                             lambda res: prog.step(f"{res.category} ttft {res.ttft_s:.2f}s" if res.ttft_s
+                                                   else (res.error or "")[:40]))
         else:
             _run_requests(ep, opts, work, by_id, continuous, prog)
         results.extend(work)
@@ -508,7 +534,7 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     meta = build_meta(opts, version, models, prompt_sha, len(prompts), continuous, started, sampler)
     run_id = make_run_id(opts.label)
     doc = {
-        "schema": 3, "run_id": run_id, "label": opts.label, "valid": not problems, "problems": problems,
+        "schema": 4, "run_id": run_id, "label": opts.label, "valid": not problems, "problems": problems,
         "summary": summarise(results, wall), "spec": spec_all,
         "spec_counters": {"before": raw_counters(snap0), "after": raw_counters(snap1)},
         "categories": per_category(results, spec_by_cat), "meta": meta,
@@ -530,6 +556,12 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     doc["summary"]["prefill_tok_s"] = describe(r.prefill_tok_s for r in results if r.ok)
     doc["summary"]["prompt_tokens"] = describe(r.prompt_tokens for r in results if r.ok)
     doc["summary"]["goodput"] = goodput(doc["requests"], opts.goodput, wall)
+    doc["summary"]["e2e_tok_s"] = describe(r.e2e_tok_s for r in results if r.ok)
+    doc["meta"]["profile"] = opts.profile
+    if opts.profile == "records":
+        doc["records"] = records_summary(results)
+    elif agent:
+        doc["agent"] = agent_summary(results)
     for row in doc["requests"]:
         row["meets_targets"] = meets(row, opts.goodput) if opts.goodput else None
     doc["meta"]["goodput_targets_ms"] = dict(opts.goodput) or None

@@ -20,22 +20,26 @@ requests.arrival_s/lag_s/meets_targets::
              ttft_s REAL, decode_s REAL, e2e_s REAL, decode_tok_s REAL, tpot_ms REAL,
              tokens_per_chunk REAL, PRIMARY KEY (run_id, idx))
 
+Version 4 (profiles) adds runs.profile/e2e_tok_s_mean/e2e_tok_s_ci95_low/e2e_tok_s_ci95_high and
+requests.e2e_tok_s/turn.
+
 ``migrate()`` applies the entries of ``MIGRATIONS`` above the store's version (docs/results-store.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sparkllm.bench_common import UsageError, utc_now
-from sparkllm.fileio import write_bytes_atomic
+from sparkllm.fileio import fsync_dir, fsync_file, write_bytes_atomic
 
 STORE_NAME = "results.sqlite"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def add_columns(table: str, *columns: str) -> str:
@@ -75,6 +79,10 @@ CREATE TABLE IF NOT EXISTS requests (
      + add_columns("runs", "request_rate REAL", "completed_rate_req_s REAL", "goodput_targets TEXT",
                    "goodput_share REAL", "goodput_req_s REAL")
      + add_columns("requests", "arrival_s REAL", "lag_s REAL", "meets_targets INTEGER")),
+    (4, "profiles: records (whole requests, e2e tok/s over passes) and agent (turns of a conversation)", "\n"
+     + add_columns("runs", "profile TEXT", "e2e_tok_s_mean REAL", "e2e_tok_s_ci95_low REAL",
+                   "e2e_tok_s_ci95_high REAL")
+     + add_columns("requests", "e2e_tok_s REAL", "turn INTEGER")),
 ]
 
 RUN_COLUMNS = ("run_id", "label", "method", "config_hash", "repetition", "valid", "problems", "started_utc",
@@ -83,28 +91,60 @@ RUN_COLUMNS = ("run_id", "label", "method", "config_hash", "repetition", "valid"
                "tokens_per_chunk_median", "acceptance_rate", "mean_acceptance_length",
                "effective_tokens_per_step", "doc", "input_depth", "output_tok_s_aggregate",
                "j_per_output_token", "warnings", "request_rate", "completed_rate_req_s", "goodput_targets",
-               "goodput_share", "goodput_req_s")
+               "goodput_share", "goodput_req_s", "profile", "e2e_tok_s_mean", "e2e_tok_s_ci95_low",
+               "e2e_tok_s_ci95_high")
 REQUEST_COLUMNS = ("run_id", "idx", "prompt_id", "category", "repeat", "ok", "error", "output_tokens",
                    "chunks",
                    "ttft_s", "decode_s", "e2e_s", "decode_tok_s", "tpot_ms", "tokens_per_chunk",
                    "prompt_tokens", "prefill_tok_s", "output_sha256", "output_text", "arrival_s", "lag_s",
-                   "meets_targets")
+                   "meets_targets", "e2e_tok_s", "turn")
+
+
+def _statements(sql: str) -> list[str]:
+    """A migration's script as single statements (executescript would commit the caller's transaction)."""
+    out, buf = [], ""
+    for line in sql.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        out.append(buf.strip())
+    return out
 
 
 def migrate(conn: sqlite3.Connection) -> int:
-    """Bring the store to SCHEMA_VERSION; refuse a newer store than this code understands."""
+    """Bring the store to SCHEMA_VERSION; refuse a newer store than this code understands.
+    Concurrent writers: each migration runs in its own write transaction (BEGIN IMMEDIATE waits for the
+    other writer, up to the connection's busy timeout) and re-reads the version inside it, so a migration
+    another writer applied meanwhile is not applied twice (a second ALTER TABLE ADD COLUMN fails)."""
     current = conn.execute("PRAGMA user_version").fetchone()[0]
     if current > SCHEMA_VERSION:
         raise SystemExit(f"results store schema v{current} is newer than this bench.py (v{SCHEMA_VERSION}): "
                          "update the toolkit")
-    for version, desc, sql in MIGRATIONS:
-        if version <= current:
-            continue
-        with conn:
-            conn.executescript(sql)
-            conn.execute("INSERT OR REPLACE INTO schema VALUES (?, ?, ?)", (version, utc_now(), desc))
-            conn.execute(f"PRAGMA user_version = {int(version)}")
-        current = version
+    if current == SCHEMA_VERSION:
+        return current
+    level = conn.isolation_level
+    conn.isolation_level = None  # explicit transactions below
+    try:
+        for version, desc, sql in MIGRATIONS:
+            if version <= current:
+                continue
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                current = conn.execute("PRAGMA user_version").fetchone()[0]
+                if version > current:
+                    for stmt in _statements(sql):
+                        conn.execute(stmt)
+                    conn.execute("INSERT OR REPLACE INTO schema VALUES (?, ?, ?)", (version, utc_now(), desc))
+                    conn.execute(f"PRAGMA user_version = {int(version)}")
+                    current = version
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+    finally:
+        conn.isolation_level = level
     return current
 
 
@@ -113,9 +153,9 @@ STORE_TABLES = {"schema", "runs", "requests"}
 
 
 def check_store(db: Path) -> None:
-    """UsageError unless ``db`` is absent (a new store) or a results store: a 0-byte file, a file that is
-    not SQLite, a damaged one or another program's database is refused and left as it is (SQLite would
-    take the first two for an empty database and write our tables into it)."""
+    """UsageError unless ``db`` is absent (a new store), empty (0 bytes: a store another writer is
+    creating; its schema is made under the write lock) or a results store: a file that is not SQLite, a
+    damaged one (``PRAGMA quick_check``) or another program's database is refused and left as it is."""
     if not db.exists():
         return
     fix = (f"move it away and rebuild the store from the run JSON files beside it "
@@ -123,7 +163,7 @@ def check_store(db: Path) -> None:
     if not db.is_file():
         raise UsageError(f"{db} is not a file, so not a results store; {fix}")
     if db.stat().st_size == 0:
-        raise UsageError(f"{db} is empty (0 bytes), not a results store; {fix}")
+        return  # SQLite's empty database: an older toolkit's writer opened it a moment ago
     with db.open("rb") as fh:
         if fh.read(16) != SQLITE_MAGIC:
             raise UsageError(f"{db} is not an SQLite database (corrupt or another file); {fix}")
@@ -132,10 +172,13 @@ def check_store(db: Path) -> None:
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            damage = [r[0] for r in conn.execute("PRAGMA quick_check(3)")]
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
-        raise UsageError(f"{db} cannot be read as SQLite ({exc}); {fix}") from None
+        raise UsageError(f"{db} is damaged ({exc}); {fix}") from None
+    if damage != ["ok"]:
+        raise UsageError(f"{db} is damaged ({'; '.join(damage)}); {fix}")
     if version > SCHEMA_VERSION:
         return  # a newer toolkit's store: migrate() says to update the toolkit
     if (version == 0 and tables) or (version > 0 and not tables >= STORE_TABLES):
@@ -143,20 +186,78 @@ def check_store(db: Path) -> None:
                          f"{', '.join(sorted(tables)) or 'none'}), not a results store; {fix}")
 
 
-def open_store(directory: Path) -> sqlite3.Connection:
-    """The store of a directory (created when absent); UsageError for a file that is not one."""
+def check_writable(db: Path) -> None:
+    """UsageError naming the file and the fix unless the store ``db`` (when present) and its directory
+    (SQLite writes its journal beside it) can be written; nothing is changed."""
+    from sparkllm.outdir import OutputRefused, probe_writable
+
+    try:
+        probe_writable(db.parent, "the results directory")
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
+    if not db.is_file():
+        return
+    try:
+        os.close(os.open(db, os.O_RDWR))
+    except OSError as exc:
+        raise UsageError(f"{db} cannot be written ({exc.strerror}): make it writable (`chmod u+w {db}`; an "
+                         f"immutable file: `chattr -i {db}`) or pass another results directory") from None
+
+
+def _create_store(db: Path) -> None:
+    """A new store with its whole schema, built in a temporary file and linked into place, so no other
+    writer ever sees it empty or half made; a store another writer linked first is kept (theirs wins)."""
+    tmp = db.with_name(f".{db.name}.new-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        conn = sqlite3.connect(tmp)
+        try:
+            migrate(conn)
+        finally:
+            conn.close()
+        fsync_file(tmp)
+        try:
+            os.link(tmp, db)  # never replaces: FileExistsError when another writer was first
+        except FileExistsError:
+            return
+        except OSError:
+            return  # no hard links here: SQLite creates it, the schema under migrate()'s write lock
+        fsync_dir(db.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+        for suffix in ("-journal", "-wal", "-shm"):
+            tmp.with_name(tmp.name + suffix).unlink(missing_ok=True)
+
+
+def open_store(directory: Path, write: bool = True) -> sqlite3.Connection:
+    """The store of a directory (created when absent); UsageError for a file that is not one, or, with
+    ``write``, one that cannot be written (named with the fix)."""
     check_store(directory / STORE_NAME)
+    if write:
+        check_writable(directory / STORE_NAME)
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / STORE_NAME).exists():
+        _create_store(directory / STORE_NAME)
     conn = sqlite3.connect(directory / STORE_NAME, timeout=30)
     conn.row_factory = sqlite3.Row
     migrate(conn)
     return conn
 
 
+def headline_e2e(doc: dict[str, Any]) -> tuple[float | None, float | None, float | None]:
+    """(mean, 95 % low, 95 % high) of a run's end-to-end tok/s: the records profile's mean over passes,
+    else the mean over requests (None for a run of a toolkit before the profiles)."""
+    rec = doc.get("records") or {}
+    if rec.get("tok_s_mean") is not None:
+        return rec["tok_s_mean"], rec.get("ci95_low"), rec.get("ci95_high")
+    d = (doc.get("summary") or {}).get("e2e_tok_s") or {}
+    return d.get("mean"), d.get("ci95_low"), d.get("ci95_high")
+
+
 def store_run(conn: sqlite3.Connection, doc: dict[str, Any]) -> bool:
     """Insert one run document; returns False if that run id is already stored (idempotent).
-    Documents of schema 1 (before load, depth, outputs and telemetry) and 2 (before the request-rate mode)
-    store NULL in the newer columns."""
+    Documents of schema 1 (before load, depth, outputs and telemetry), 2 (before the request-rate mode) and
+    3 (before the profiles: stored as profile decode) store NULL in the newer columns."""
     s, sp, meta = doc.get("summary", {}), doc.get("spec", {}), doc.get("meta", {})
     dec = s.get("decode_tok_s", {})
     rep = meta.get("repetition")
@@ -173,7 +274,8 @@ def store_run(conn: sqlite3.Connection, doc: dict[str, Any]) -> bool:
            meta.get("input_depth"), (s.get("token_weighted") or {}).get("output_tok_s_wall"),
            tel.get("j_per_output_token"), json.dumps(doc.get("warnings") or []), meta.get("request_rate"),
            (meta.get("rate") or {}).get("completed_rate_req_s"),
-           json.dumps(targets, sort_keys=True) if targets else None, gp.get("share"), gp.get("rate_req_s"))
+           json.dumps(targets, sort_keys=True) if targets else None, gp.get("share"), gp.get("rate_req_s"),
+           meta.get("profile") or "decode", *headline_e2e(doc))
     with conn:
         cur = conn.execute(f"INSERT OR IGNORE INTO runs ({','.join(RUN_COLUMNS)}) "
                            f"VALUES ({','.join('?' * len(row))})", row)

@@ -43,11 +43,14 @@ def test_records_run_matches_the_servers_truth(tmp_path):
     limits = {p.id: p.max_tokens for p in load_prompts(bench_records.RECORDS_PROMPTS)[0]}
     by_tokens = sorted(t.tokens for t in measured)
     assert by_tokens == sorted(list(limits.values()) * 2)  # each prompt's own limit reached (stand-in)
-    client = sorted(r["e2e_tok_s"] for r in doc["requests"])
-    server = sorted(t.e2e_tok_s for t in measured)
-    for c, s in zip(client, server, strict=True):
-        assert c <= s * 1.0001  # the client's wall time includes the server's (and the network)
-        assert c == pytest.approx(s, rel=0.15)
+    # single stream: the server served the measured requests in the order the client sent them
+    for r, t in zip(doc["requests"], measured, strict=True):
+        assert r["output_tokens"] == t.tokens
+        served_s = t.t_done - t.t_start
+        # the client's wall time holds the server's, plus the loopback's few milliseconds (a loose bound
+        # for a busy test machine); the figure is tokens over that time
+        assert served_s <= r["e2e_s"] < served_s + 0.25
+        assert r["e2e_tok_s"] == pytest.approx(t.tokens / r["e2e_s"])
     rec = doc["records"]
     assert rec["passes"] == 2 and len(rec["per_prompt"]) == 5
     assert rec["tok_s_mean"] == pytest.approx(sum(rec["pass_means"]) / 2)
@@ -141,3 +144,31 @@ def test_bad_per_prompt_limit_is_named(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "p.jsonl:1" in err and "max_tokens 0 is not a positive integer" in err
+
+
+def test_cli_records_run_reports_beside_the_records(tmp_path, capsys):
+    """`bench.py run --profile records` end to end: its stored figure is the mean of the passes of the
+    requests the server timed, and the report sets it beside the published records with the ratio."""
+    from sparkllm import bench_report
+
+    cfg = Config(model="qwen", spec=True, method="mtp", k=2, step_time=0.001, prefill_time=0.01)
+    out = tmp_path / "store"
+    with StandinServer(cfg) as srv:
+        rc = bench_cli.main(["run", "--base-url", srv.base_url, "--model", "qwen", "--label", "mtp-k2",
+                             "--out", str(out), "--profile", "records", "--repeats", "2", "--quiet"])
+        truth = sorted(srv.truth, key=lambda t: t.request_no)[-10:]
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads(next(out.glob("*.json")).read_text())
+    assert doc["meta"]["sampling"]["thinking"] == "default" and doc["meta"]["sampling"]["stream"] is False
+    server_passes = [sum(t.e2e_tok_s for t in truth[i::2]) / 5 for i in (0, 1)]  # blocks: prompt x pass
+    assert doc["records"]["tok_s_mean"] == pytest.approx(sum(server_passes) / 2, rel=0.25)
+    path, stats = bench_report.make_report(out, None, "baseline", False)
+    md = path.read_text()
+    assert "## Against the public records" in md
+    row = next(line for line in md.splitlines() if line.startswith("| mtp-k2 |") and "x |" in line)
+    mean = doc["records"]["tok_s_mean"]
+    assert f"{mean / 51.58:.2f}x" in row and f"{mean / 59.0:.2f}x" in row
+    assert "| albond |" in md and "| Entrpi (best) |" in md
+    from sparkllm.bench_analysis import summary_lines
+    assert any(line.startswith("records profile mtp-k2:") and "Entrpi 59 tok/s" in line
+               for line in summary_lines(stats, "baseline"))
