@@ -20,7 +20,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image lock \
         bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash gpu-dflash-graph \
-        gpu-shared-experts gpu-proxy clean
+        gpu-shared-experts gpu-proxy tune clean
 
 # --- set-up ----------------------------------------------------------------
 $(BIN)/.stamp: requirements.txt
@@ -37,6 +37,9 @@ deploy: setup  ## provision this Spark (or the inventory's) for SPEC_METHOD
 
 check: setup  ## dry run of deploy (check mode, diff)
 	$(BIN)/python scripts/make_run.py check
+
+tune: setup  ## sweep method x K x INT8 head (records profile), leave the fastest lossless one serving
+	$(BIN)/python scripts/make_run.py tune
 
 # --- tests -----------------------------------------------------------------
 # the timed unit tests alone, then the molecule scenarios in the background with the other unit tests, lint

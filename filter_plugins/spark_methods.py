@@ -79,6 +79,7 @@ _MANAGED_OPTIONS = {
     "--gpu-memory-utilization": "vllm_gpu_memory_utilization",
     "--enable-prefix-caching": "vllm_enable_prefix_caching",
     "--no-enable-prefix-caching": "vllm_enable_prefix_caching",
+    "--mamba-cache-mode": "vllm_enable_prefix_caching (methods.yml prefix_caching.mamba_cache_mode)",
     "--enable-auto-tool-choice": "vllm_enable_auto_tool_choice",
     "--no-enable-auto-tool-choice": "vllm_enable_auto_tool_choice",
     "--tool-call-parser": "vllm_tool_call_parser",
@@ -99,6 +100,11 @@ GPU_MEMORY_MAX = 0.95
 # --load-format out, vLLM's "auto"). The contract suite checks each is registered in 0.19.1 and 0.20.0.
 LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors", "instanttensor", "runai_streamer")
 SPEC_TOKENS_RANGE = (1, 16)
+# vllm_enable_prefix_caching: "auto" = the method's catalogue choice (prefix_caching.default), or a boolean.
+PREFIX_CACHING_AUTO = "auto"
+# methods.yml prefix_caching.mamba_cache_mode: vLLM's MambaCacheMode values that cache (0.19.1
+# config/cache.py:109, "none" is what vLLM sets with prefix caching off); null = leave it to vLLM.
+MAMBA_CACHE_MODES = ("align", "all")
 
 # serve_flags key -> vLLM option (value rendered with str()).
 _FLAG_OPTIONS = {
@@ -178,10 +184,16 @@ def _merged_speculative_config(settings: Mapping, entry: Mapping) -> dict | None
     if not isinstance(base, Mapping) or "method" not in base:
         raise CatalogueError(f"speculative_config {base!r} must be a mapping with a 'method' key")
     config = dict(base)
+    overridden = set()
     for key, setting in (entry.get("setting_overrides") or {}).items():
         value = _get(settings, setting)
         if value is not None and value != "":
             config[key] = value
+            overridden.add(key)
+    # The catalogue's revision is a commit of the catalogue's drafter repo: another drafter (a path, or
+    # another repo) does not get it; its own revision knob still applies.
+    if "revision" not in overridden and config.get("model") != base.get("model"):
+        config.pop("revision", None)
     # A null in the catalogue means "no default": leave it out rather than sending null to vLLM.
     return {k: v for k, v in config.items() if v is not None}
 
@@ -254,7 +266,9 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
         errors.append(f"vllm_gpu_memory_utilization={gpu!r} is out of range; set it to a fraction "
                       f"in (0, {GPU_MEMORY_MAX}], e.g. 0.85 (0.90 fails on some units)")
 
-    _check_int(errors, "vllm_max_model_len", _get(settings, "vllm_max_model_len"), 1, None, example=262144)
+    if _check_int(errors, "vllm_max_model_len", _get(settings, "vllm_max_model_len"), 1, None,
+                  example=262144):
+        _check_context(errors, settings)
     _check_int(errors, "vllm_port", _get(settings, "vllm_port"), 1, 65535, example=8000)
     tp_ok = _check_int(errors, "spark_tensor_parallel_size", _get(settings, "spark_tensor_parallel_size"),
                        1, None, example=2)
@@ -392,15 +406,36 @@ def _check_backends_per_method(errors: list[str], backends, catalogue: Mapping) 
                           f"to use the method's choice in methods.yml")
 
 
+# Qwen3.5-122B-A10B's max_position_embeddings (its config.json; the public model cards say "Context
+# length: 262,144 tokens" natively). vLLM refuses a longer --max-model-len unless
+# VLLM_ALLOW_LONG_MAX_MODEL_LEN is set (vllm/config/model.py:2155-2182 of 0.19.1) - after the build and
+# the download, at the serve stage; a RoPE scaling override (--hf-overrides) is what may lengthen it.
+MODEL_MAX_POSITIONS = 262144
+
+
+def _check_context(errors: list[str], settings: Mapping) -> None:
+    length = _get(settings, "vllm_max_model_len")
+    extra = " ".join(str(x) for x in (_get(settings, "vllm_serve_extra_args") or []))
+    if length > MODEL_MAX_POSITIONS and "hf-overrides" not in extra.replace("_", "-"):
+        errors.append(f"vllm_max_model_len={length!r} is above {MODEL_MAX_POSITIONS}, the model's "
+                      f"max_position_embeddings (vLLM refuses it at the serve stage); set vllm_max_model_len "
+                      f"to at most {MODEL_MAX_POSITIONS}, e.g. 262144")
+
+
 def _check_serving_features(errors: list[str], settings: Mapping) -> None:
     """Tool calling, prefix caching, --max-num-seqs, --load-format, the INT8 LM head (an env var
     of the container, patch 0002; no argv)."""
-    for name in ("vllm_enable_auto_tool_choice", "vllm_enable_prefix_caching", "vllm_lm_head_int8",
-                 "spark_bad_driver_enforce_eager"):
+    for name in ("vllm_enable_auto_tool_choice", "vllm_lm_head_int8", "spark_bad_driver_enforce_eager"):
         value = _get(settings, name)
         if not isinstance(value, bool):
             errors.append(f"{name}={value!r} is not a boolean{_type_hint(name, value, 'false')}; set it "
                           f"to true or false")
+    prefix = _get(settings, "vllm_enable_prefix_caching")
+    if not isinstance(prefix, bool) and prefix != PREFIX_CACHING_AUTO:
+        errors.append(f"vllm_enable_prefix_caching={prefix!r} is not true, false or {PREFIX_CACHING_AUTO!r}"
+                      f"{_type_hint('vllm_enable_prefix_caching', prefix, 'false')}; set it to "
+                      f"{PREFIX_CACHING_AUTO!r} (each method's choice in methods.yml) or true/false to "
+                      f"force it")
     tools = _get(settings, "vllm_enable_auto_tool_choice")
     parser = _get(settings, "vllm_tool_call_parser")
     if tools is True and not _is_parser_name(parser):
@@ -482,8 +517,9 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
     unit passes to the container, and vLLM reads the key from that variable.
 
     Never emits ``--disable-log-stats`` (speculative decoding metrics are only counted with stats
-    logging on). Prefix caching is always stated explicitly: ``--no-enable-prefix-caching`` unless
-    ``vllm_enable_prefix_caching`` (off by default: reported broken for Qwen3.5 on vLLM 0.19).
+    logging on). Prefix caching is always stated explicitly (hybrids default to off in vLLM 0.19.1 and
+    to on in 0.26.0): ``--enable-prefix-caching --mamba-cache-mode <mode>`` or
+    ``--no-enable-prefix-caching``, as ``spark_prefix_caching`` decides.
     Tool calling (``--enable-auto-tool-choice --tool-call-parser <vllm_tool_call_parser>``) is on
     unless ``vllm_enable_auto_tool_choice`` is false.
     """
@@ -511,9 +547,14 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
         "--port", str(_get(settings, "vllm_port")),
         "--max-model-len", str(_get(settings, "vllm_max_model_len")),
         "--gpu-memory-utilization", _fmt_number(gpu),
-        "--enable-prefix-caching" if _get(settings, "vllm_enable_prefix_caching")
-        else "--no-enable-prefix-caching",
     ]
+    prefix = spark_prefix_caching(settings, catalogue)
+    if not prefix["enabled"]:
+        argv.append("--no-enable-prefix-caching")
+    else:
+        argv.append("--enable-prefix-caching")
+        if prefix["mamba_cache_mode"]:
+            argv += ["--mamba-cache-mode", prefix["mamba_cache_mode"]]
     parser = _get(settings, "vllm_reasoning_parser")
     if parser:
         argv += ["--reasoning-parser", parser]
@@ -549,6 +590,36 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
             argv.append("--headless")
     argv += list(_get(settings, "vllm_serve_extra_args") or [])
     return [str(a) for a in argv]
+
+
+def spark_prefix_caching(settings: Mapping, catalogue: Mapping) -> dict:
+    """Prefix caching for the selected method: ``{"enabled": bool, "mamba_cache_mode": str | None,
+    "source": "knob" | "catalogue"}``.
+
+    ``vllm_enable_prefix_caching`` true/false forces it; "auto" takes the method's ``prefix_caching``
+    entry in methods.yml (``default``, with the evidence beside it). ``mamba_cache_mode`` is the
+    catalogue's (how vLLM caches the hybrid's DeltaNet state) when prefix caching is on, else None.
+    Raises CatalogueError for a malformed entry, ValueError for an unknown method or a bad knob.
+    """
+    method = _get(settings, "spec_method")
+    entry = _entry(catalogue, method)
+    if entry is None:
+        raise ValueError(f"spec_method={method!r} is not a known method; set spec_method to one of: "
+                         f"{_valid_methods(catalogue)}")
+    spec = entry.get("prefix_caching")
+    if (not isinstance(spec, Mapping) or not isinstance(spec.get("default"), bool)
+            or spec.get("mamba_cache_mode") not in (None, *MAMBA_CACHE_MODES)):
+        raise CatalogueError(f"method {method!r}: prefix_caching must be a mapping with a boolean 'default' "
+                             f"and 'mamba_cache_mode' one of {MAMBA_CACHE_MODES} or null; got {spec!r}")
+    knob = _get(settings, "vllm_enable_prefix_caching")
+    if isinstance(knob, bool):
+        enabled, source = knob, "knob"
+    elif knob == PREFIX_CACHING_AUTO:
+        enabled, source = spec["default"], "catalogue"
+    else:
+        raise ValueError(f"vllm_enable_prefix_caching={knob!r} is not true, false or {PREFIX_CACHING_AUTO!r}")
+    return {"enabled": enabled, "mamba_cache_mode": spec.get("mamba_cache_mode") if enabled else None,
+            "source": source}
 
 
 def spark_attention_backend(settings: Mapping, catalogue: Mapping) -> str | None:
@@ -630,7 +701,7 @@ def spark_server_env(method: str, catalogue: Mapping, lm_head_int8=False,
 
 class FilterModule:
     """Ansible filters: spark_method_settings_errors, spark_speculative_config, spark_serve_argv,
-    spark_method_variant, spark_settings, spark_server_env."""
+    spark_method_variant, spark_settings, spark_server_env, spark_prefix_caching."""
 
     def filters(self):
         return {
@@ -640,4 +711,5 @@ class FilterModule:
             "spark_method_variant": spark_method_variant,
             "spark_settings": spark_settings,
             "spark_server_env": spark_server_env,
+            "spark_prefix_caching": spark_prefix_caching,
         }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The Makefile's runner: build a target's argv from make's variables, without a shell.
 
-usage: make_run.py TARGET     (TARGET: deploy, check, gpu-e2e, gpu-first-start, gpu-dflash,
+usage: make_run.py TARGET     (TARGET: deploy, check, tune, gpu-e2e, gpu-first-start, gpu-dflash,
                                gpu-dflash-graph, gpu-shared-experts, gpu-proxy)
 
 The Makefile exports its user variables (SPEC_METHOD, INVENTORY, ARGS) and calls this script; the
@@ -10,10 +10,14 @@ values reach the program as argv items and never pass through a shell, so `;`, `
 
 - SPEC_METHOD: one method name (letters, digits, `_`, `-`); anything else is refused.
 - INVENTORY: an inventory path (or Ansible's comma-separated host list); a value starting with `-`
-  (an option, not a path), or holding a control character, is refused.
+  (an option, not a path), or holding a control character, is refused. For deploy and check the
+  inventory must also exist, be readable by Ansible's own loader (`ansible-inventory --list`) and hold
+  at least one host in the group `spark` (directly or in a child group): otherwise every play would
+  skip with "no hosts matched" and exit 0 having done nothing.
 - ARGS: split like a shell's words (shlex: quotes group, nothing is executed), appended as items.
   ARGS may not set `ansible_check_mode` (`make check` is the dry run, `make deploy` the real one).
 
+`tune` runs scripts/tune.py with the inventory (checked as for deploy) and ARGS (e.g. ARGS="--quick").
 `check` always runs with --check --diff: no value of ARGS can remove them. The program is echoed, then exec'd
 (its exit status is make's). Exit codes: that program's, or 2 when a variable is refused (one line naming
 the variable and the fix).
@@ -21,9 +25,11 @@ the variable and the fix).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 
 from sparkllm.cli import UsageError, WorkFailed, run_main
@@ -41,7 +47,7 @@ GPU_TARGETS = {
     "gpu-shared-experts": ("tests/gpu/shared_experts.py", "results/gpu-shared-experts", ()),
     "gpu-proxy": ("tests/gpu/proxy_real.py", "results/gpu-proxy", ()),
 }
-TARGETS = ("deploy", "check", *GPU_TARGETS)
+TARGETS = ("deploy", "check", "tune", *GPU_TARGETS)
 
 
 class Refused(UsageError):
@@ -63,6 +69,54 @@ def user_args(env: dict[str, str]) -> list[str]:
     return args
 
 
+EXAMPLES = "inventory/examples/ (remote-spark.yml: one Spark over ssh; two-sparks.yml: two)"
+
+
+def _group_hosts(listing: dict, group: str, seen: set[str] | None = None) -> set[str]:
+    """Hosts of ``group`` in `ansible-inventory --list` output, its child groups' included."""
+    seen = set() if seen is None else seen
+    if group in seen or not isinstance(listing.get(group), dict):
+        return set()
+    seen.add(group)
+    hosts = set(listing[group].get("hosts", []))
+    for child in listing[group].get("children", []):
+        hosts |= _group_hosts(listing, child, seen)
+    return hosts
+
+
+def check_inventory(inventory: str, bin_dir: str) -> None:
+    """Refuse an inventory that names no Spark: missing, unreadable to Ansible, or no host in `spark`."""
+    fix = f"put your Spark(s) under the group `spark` (`spark:` -> `hosts:`), as in {EXAMPLES}"
+    if "," not in inventory and not os.path.exists(inventory):
+        raise Refused(f"INVENTORY={inventory}: no such file (from {os.getcwd()}); give an inventory file and "
+                      f"{fix}")
+    tool = os.path.join(bin_dir, "ansible-inventory")
+    env = {**os.environ, "ANSIBLE_INVENTORY_UNPARSED_FAILED": "true"}
+    try:
+        r = subprocess.run([tool, "-i", inventory, "--list"], capture_output=True, text=True, env=env,
+                           check=False)
+    except OSError as exc:
+        raise WorkFailed(f"cannot run {tool} ({exc.strerror}); run `make setup` first") from None
+    try:
+        listing = json.loads(r.stdout) if r.returncode == 0 else None
+    except ValueError:
+        listing = None
+    if not isinstance(listing, dict):
+        lines = [x.strip() for x in r.stderr.splitlines() if x.strip()]
+        why = next((x for x in lines if "parsing failed" in x.lower()),
+                   lines[-1] if lines else f"ansible-inventory exited {r.returncode}")
+        why = re.sub(r"^\[\w+\]:\s*", "", why)[:200]
+        raise Refused(f"INVENTORY={inventory}: Ansible cannot read it as an inventory ({why}); write it as "
+                      f"YAML and {fix}")
+    if not _group_hosts(listing, "spark"):
+        groups = sorted(g for g in listing if g not in ("_meta", "all", "ungrouped"))
+        has = f"its groups: {', '.join(groups)}" if groups else "it has no group"
+        if listing.get("ungrouped", {}).get("hosts"):
+            has += f"; hosts in no group: {', '.join(listing['ungrouped']['hosts'][:5])}"
+        raise Refused(f"INVENTORY={inventory}: has no host in the group `spark` ({has}), so every play would "
+                      f"skip; {fix}")
+
+
 def playbook_argv(target: str, env: dict[str, str]) -> list[str]:
     method = env.get("SPEC_METHOD", "")
     if not METHOD_RE.fullmatch(method):
@@ -76,6 +130,7 @@ def playbook_argv(target: str, env: dict[str, str]) -> list[str]:
             f"INVENTORY={inventory!r}: not an inventory path; give a file, e.g. INVENTORY=inventory/hosts.yml"
         )
     bin_dir = env.get("BIN", ".venv/bin")
+    check_inventory(inventory, bin_dir)
     argv = [
         os.path.join(bin_dir, "ansible-playbook"),
         "-i",
@@ -89,9 +144,23 @@ def playbook_argv(target: str, env: dict[str, str]) -> list[str]:
     return argv + user_args(env)
 
 
+def tune_argv(env: dict[str, str]) -> list[str]:
+    """scripts/tune.py (method x K x LM head on the inventory's Spark) with the inventory and ARGS."""
+    inventory = env.get("INVENTORY", "")
+    if not inventory or inventory.startswith("-") or CONTROL_RE.search(inventory):
+        raise Refused(
+            f"INVENTORY={inventory!r}: not an inventory path; give a file, e.g. INVENTORY=inventory/hosts.yml"
+        )
+    bin_dir = env.get("BIN", ".venv/bin")
+    check_inventory(inventory, bin_dir)
+    return [os.path.join(bin_dir, "python"), "scripts/tune.py", "--inventory", inventory, *user_args(env)]
+
+
 def build_argv(target: str, env: dict[str, str]) -> list[str]:
     if target in ("deploy", "check"):
         return playbook_argv(target, env)
+    if target == "tune":
+        return tune_argv(env)
     if target in GPU_TARGETS:
         script, out, own = GPU_TARGETS[target]
         return [sys.executable, script, "--out", out, *own, *user_args(env)]

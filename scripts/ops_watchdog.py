@@ -44,7 +44,13 @@ there judges that instead:
     an unreachable GCS as no verdict.
 
 The decision itself is pure (:func:`judge`, :func:`judge_probe`) over successive /metrics samples and
-the probe's result; the last verdict is kept in the state file (``last``).
+the probe's result; the last verdict is kept in the state file (``last``). A /metrics value the decision
+reads that is NaN, infinite or negative is no answer (a failure), never "busy".
+
+The watchdog repairs its own state: a field of the wrong type is reset and the rest kept, a corrupt file
+is kept beside itself as ``NAME.corrupt``, one journal line each; a state file that cannot be written is
+kept in FALLBACK_DIR meanwhile (said once), and where nothing can be written a failure restarts the unit
+at once (the line says why), since failures could not be counted across runs.
 
 Exit codes: 0 healthy or nothing to do, 1 gave up (see the journal line), 2 usage.
 """
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import socket
@@ -79,6 +86,9 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 STARTED = "process_start_time_seconds"
 CONFIG_STATUSES = (401, 403, 404)
+# where the state goes while its own file cannot be written (a read-only or full state directory): a tmpfs
+# of root's, kept between the timer's runs until a reboot; the state file's own place is tried first each run
+FALLBACK_DIR = Path("/run/sparkllm-watchdog")
 
 
 def log(msg: str) -> None:
@@ -182,16 +192,29 @@ def judge_probe(cur: Sample, probe: Probe, after: Sample | None, model: str, key
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
+class NoAnswer(ValueError):
+    """/metrics answered, but a value the watchdog judges by is no count (NaN, infinite, negative)."""
+
+
+_JUDGED = (GENERATED, PROMPT, FINISHED, RUNNING, WAITING, STARTED)
+
+
 def parse_metrics(text: str, t: float) -> Sample:
-    """Prometheus text -> Sample; ValueError naming the metric vLLM did not expose."""
+    """Prometheus text -> Sample; ValueError naming the metric vLLM did not expose, NoAnswer naming a
+    judged metric whose value is not a finite number >= 0 (such a value is no answer: NaN compares
+    false with everything, so it would read as "in flight, no progress yet" for ever)."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
         m = _LINE.match(line)
         if m:
             try:
-                sums[m.group(1)] = sums.get(m.group(1), 0.0) + float(m.group(3))
+                value = float(m.group(3))
             except ValueError:
                 continue
+            if m.group(1) in _JUDGED and not (math.isfinite(value) and value >= 0):
+                raise NoAnswer(f"/metrics: {m.group(1)} is {m.group(3)} (not a finite count >= 0): taken as "
+                               "no answer from the engine")
+            sums[m.group(1)] = sums.get(m.group(1), 0.0) + value
     missing = [n for n in (GENERATED, RUNNING) if n not in sums]
     if missing:
         raise ValueError(f"/metrics has no {' or '.join(missing)}: is this vLLM with its stats on "
@@ -224,6 +247,8 @@ def sample(url: str, timeout: float) -> tuple[Sample | None, str, int | None]:
         return None, f"/metrics answered HTTP {status}", status
     try:
         return parse_metrics(body.decode("utf-8", "replace"), time.time()), "", None
+    except NoAnswer as exc:
+        return None, str(exc), None
     except ValueError as exc:
         return None, str(exc), 404
 
@@ -379,12 +404,85 @@ def unit_state(systemctl: str, unit: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def load_state(path: Path) -> dict:
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# each field of the state and what a valid value is; an invalid one is dropped (its default applies)
+_FIELDS = {
+    "failures": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "invocation": lambda v: v is None or isinstance(v, str),
+    "healthy_seen": lambda v: isinstance(v, bool),
+    "progress_at": lambda v: v is None or _finite(v),
+    "gave_up": lambda v: v is None or _finite(v),
+    "sample": lambda v: v is None or _sample_of(v) is not None,
+    "last": lambda v: isinstance(v, dict),
+    "config_error": lambda v: isinstance(v, str),
+    "paused": lambda v: isinstance(v, str),
+    "ray_head": lambda v: isinstance(v, str),
+    "state_fallback": lambda v: isinstance(v, str),
+}
+
+
+def repair_state(st: dict) -> list[str]:
+    """Drop every field whose value is of the wrong type or range (a restart time at a time); return
+    what was reset, each as ``field (the bad value)``. Valid fields are kept as they are."""
+    reset = []
+    restarts = st.get("restarts", [])
+    if not isinstance(restarts, list):
+        reset.append(f"restarts ({json.dumps(restarts)[:40]})")
+        st.pop("restarts")
+    elif any(not _finite(t) for t in restarts):
+        st["restarts"] = [t for t in restarts if _finite(t)]
+        reset.append(f"restarts ({len(restarts) - len(st['restarts'])} of {len(restarts)} entries)")
+    for field, valid in _FIELDS.items():
+        if field in st and not valid(st[field]):
+            reset.append(f"{field} ({json.dumps(st.pop(field))[:40]})")
+    return reset
+
+
+def _fallback(path: Path) -> Path:
+    return FALLBACK_DIR / (str(path.absolute()).strip("/").replace("/", "_") or "watchdog.json")
+
+
+def _mtime(path: Path) -> float:
     try:
-        st = json.loads(path.read_text(encoding="utf-8"))
-        return st if isinstance(st, dict) else {}
-    except (OSError, ValueError):
+        return path.stat().st_mtime
+    except OSError:
+        return -1.0
+
+
+def load_state(path: Path) -> dict:
+    """The state kept between runs (from the fallback when that is newer: the file could not be
+    written). Never raises: an unreadable file is said and started afresh, a corrupt one is kept beside
+    itself as ``NAME.corrupt`` and said, invalid fields are reset and said, one line each."""
+    src = _fallback(path) if _mtime(_fallback(path)) >= max(_mtime(path), 0.0) else path
+    try:
+        raw = src.read_bytes()
+    except FileNotFoundError:
         return {}
+    except OSError as exc:
+        log(f"cannot read the state file {src} ({exc.strerror or exc}); starting afresh (failures and the "
+            f"restart history are not counted): make it readable by root")
+        return {}
+    try:
+        st = json.loads(raw.decode("utf-8"))
+        if not isinstance(st, dict):
+            raise ValueError(f"a JSON {type(st).__name__}, not an object")
+    except ValueError as exc:
+        keep = src.with_name(src.name + ".corrupt")
+        try:
+            keep.write_bytes(raw)
+            kept = f"kept it as {keep}"
+        except OSError as err:
+            kept = f"could not keep a copy at {keep} ({err.strerror or err})"
+        log(f"the state file {src} is corrupt ({str(exc)[:80]}); {kept} and started afresh: its failures "
+            "and restart history are not counted")
+        return {}
+    reset = repair_state(st)
+    if reset:
+        log(f"the state file {src} held invalid values, reset: {', '.join(reset)}; the other fields kept")
+    return st
 
 
 def save_state(path: Path, st: dict) -> None:
@@ -395,6 +493,39 @@ def save_state(path: Path, st: dict) -> None:
         # readable by the GB10 exporter (a DynamicUser): restarts and give-ups become alerts; no secret in it
         os.fchmod(f.fileno(), 0o644)
     os.replace(tmp, path)
+
+
+def keep_state(path: Path, st: dict) -> str:
+    """Write the state to its file, or while that cannot be written to the fallback (said once);
+    '' when it was kept somewhere, else why not (then nothing can be counted across runs)."""
+    fallback = _fallback(path)
+    try:
+        save_state(path, {k: v for k, v in st.items() if k != "state_fallback"})
+    except OSError as exc:
+        why = f"{path}: {exc.strerror or exc}"
+    else:
+        if fallback.exists():
+            fallback.unlink(missing_ok=True)
+            log(f"the state file {path} can be written again; {fallback} removed")
+        return ""
+    try:
+        save_state(fallback, {**st, "state_fallback": str(path)})
+    except OSError as exc:
+        return f"{why}; {fallback}: {exc.strerror or exc}"
+    if st.get("state_fallback") != str(path):
+        log(f"cannot write the state file {why}; keeping the state in {fallback} until it can be written "
+            f"(lost on a reboot): make {path.parent} writable by root")
+    st["state_fallback"] = str(path)
+    return ""
+
+
+def _keep(a: argparse.Namespace, st: dict) -> str:
+    """keep_state, and one line when the state could be kept nowhere."""
+    why = keep_state(a.state, st)
+    if why:
+        log(f"{a.unit}: the watchdog's state cannot be written ({why}): failures cannot be counted across "
+            f"runs; make {a.state.parent} writable by root")
+    return why
 
 
 def paused(a: argparse.Namespace, st: dict, now: float) -> bool:
@@ -421,10 +552,13 @@ def paused(a: argparse.Namespace, st: dict, now: float) -> bool:
 
 
 def _sample_of(d: object) -> Sample | None:
-    try:
-        return Sample(**d) if isinstance(d, dict) else None
-    except TypeError:
+    if not isinstance(d, dict) or set(d) != set(Sample.__dataclass_fields__):
         return None
+    if d["started"] is not None and not _finite(d["started"]):
+        return None
+    if not all(_finite(v) and (k == "t" or v >= 0) for k, v in d.items() if k != "started"):
+        return None
+    return Sample(**d)
 
 
 def run(a: argparse.Namespace, now: float | None = None) -> int:
@@ -434,12 +568,12 @@ def run(a: argparse.Namespace, now: float | None = None) -> int:
     st["restarts"] = [t for t in st["restarts"] if now - t < a.window]
     if paused(a, st, now):
         st.update(failures=0, sample=None, progress_at=None)
-        save_state(a.state, st)
+        _keep(a, st)
         return 0
     us = unit_state(a.systemctl, a.unit)
     if us.get("ActiveState") != "active":
         st.update(failures=0, invocation=None, healthy_seen=False, sample=None, progress_at=None)
-        save_state(a.state, st)
+        _keep(a, st)
         return 0
     if st.get("gave_up"):
         # started again after a give-up (the timer is stopped then): the operator's start is the
@@ -463,7 +597,7 @@ def run(a: argparse.Namespace, now: float | None = None) -> int:
         if st.get("config_error") != v.reason:
             log(f"{a.unit}: CONFIGURATION ERROR, not a dead server (no restart): {v.reason}")
             st["config_error"] = v.reason
-        save_state(a.state, st)
+        _keep(a, st)
         return 0
     if v.kind == "ok" and st.get("config_error") and (v.reason.startswith("idle")
                                                       or st["config_error"].startswith("/metrics")):
@@ -472,7 +606,7 @@ def run(a: argparse.Namespace, now: float | None = None) -> int:
     if v.kind in ("ok", "busy"):
         if v.kind == "ok":
             st["failures"] = 0
-        save_state(a.state, st)
+        _keep(a, st)
         return 0
     return _failed(a, st, us, v.reason, now)
 
@@ -481,13 +615,17 @@ def _failed(a: argparse.Namespace, st: dict, us: dict[str, str], reason: str, no
     active_for = time.monotonic() - int(us.get("ActiveEnterTimestampMonotonic") or 0) / 1e6
     if not st.get("healthy_seen") and active_for < a.grace:
         log(f"{a.unit}: {reason}; still loading ({active_for:.0f}s of {a.grace:.0f}s grace), not counted")
-        save_state(a.state, st)
+        _keep(a, st)
         return 0
     st["failures"] = int(st.get("failures", 0)) + 1
     log(f"{a.unit}: probe failed ({st['failures']}/{a.failures}): {reason}")
+    unkept = ""
     if st["failures"] < a.failures:
-        save_state(a.state, st)
-        return 0
+        unkept = keep_state(a.state, st)
+        if not unkept:
+            return 0
+        # nowhere to count this failure: waiting for more would wait for ever, so this one restarts
+        st["failures"] = a.failures
     if len(st["restarts"]) >= a.max_restarts:
         n = len(st["restarts"])
         log(f"{a.unit}: GAVE UP: unhealthy again after {n} restarts within {a.window:.0f}s; "
@@ -498,13 +636,17 @@ def _failed(a: argparse.Namespace, st: dict, us: dict[str, str], reason: str, no
         if a.timer:
             subprocess.run([a.systemctl, "stop", "--no-block", a.timer], check=False)
         st.update(failures=0, gave_up=now)
-        save_state(a.state, st)
+        _keep(a, st)
         return 1
     st["restarts"].append(now)
     st.update(failures=0, healthy_seen=False, sample=None, progress_at=None)
-    save_state(a.state, st)
-    log(f"{a.unit}: restarting after {a.failures} failed probes "
-        f"(restart {len(st['restarts'])} of {a.max_restarts} allowed within {a.window:.0f}s): {reason}")
+    unkept = unkept or keep_state(a.state, st)
+    if unkept:
+        log(f"{a.unit}: restarting now, as the watchdog's state cannot be written ({unkept}): failures "
+            f"cannot be counted nor restarts limited; make {a.state.parent} writable by root: {reason}")
+    else:
+        log(f"{a.unit}: restarting after {a.failures} failed probes (restart {len(st['restarts'])} of "
+            f"{a.max_restarts} allowed within {a.window:.0f}s): {reason}")
     subprocess.run([a.systemctl, "restart", "--no-block", a.unit], check=False)
     return 0
 

@@ -13,8 +13,9 @@ stages. Each method left out is named with the reason; ``--methods`` lists them 
 
 Grid: one configuration per method; ``mtp`` expands to one per ``--mtp-k`` value and any method
 named with ``--k METHOD=K1,K2`` to one per K (checked against the catalogue: the method must take K
-and K must lie in SPEC_TOKENS_RANGE); other methods use the catalogue's default K
-(``spec_num_speculative_tokens`` null).  Schedule: methods are
+and K must lie in SPEC_TOKENS_RANGE); ``dflash`` sweeps K 5, 8 and 12 unless ``--k dflash=...`` says
+otherwise (DEFAULT_K: docs/performance.md "DFlash draft length"); other methods use the catalogue's
+default K (``spec_num_speculative_tokens`` null).  Schedule: methods are
 interleaved across repetitions (rep 1: every configuration, rep 2: every configuration, ...), so
 slow drifts (thermals, page cache) hit every method alike and the report can pair runs by
 repetition index.  Each cell drives ``site.yml`` through ansible-runner with tags
@@ -82,6 +83,9 @@ RUNNER_DIRNAME = "runner"  # ansible-runner artifacts of every cell, under the r
 # stage ends at its first task.
 MEASURE_TAGS = "cluster,serve,bench"
 SERVE_TAGS = "cluster,serve"
+# K values swept for a method when --k does not name it (mtp's come from --mtp-k): DFlash's catalogue
+# default sits between the published per-position curves, and these three bracket it.
+DEFAULT_K = {"dflash": [5, 8, 12]}
 
 
 def _filter_plugin(name: str) -> Any:
@@ -142,10 +146,12 @@ class CellConfig:
     method: str
     k: int | None = None
     extra_vars_json: str = "{}"
+    tag: str = ""  # appended to the label (e.g. "bf16head"): not in the hash, which the extra vars make
 
     @property
     def label(self) -> str:
-        return f"{self.method}-k{self.k}" if self.k is not None else self.method
+        base = f"{self.method}-k{self.k}" if self.k is not None else self.method
+        return f"{base}-{self.tag}" if self.tag else base
 
     @property
     def cell(self) -> dict[str, Any]:
@@ -585,9 +591,29 @@ def choose_methods(arg: str | None, settings: dict[str, Any]) -> tuple[list[str]
     return methods, {m: why for m, why in problems.items() if m in methods}
 
 
+def check_results_dir(results: Path) -> None:
+    """UsageError (the path and the fix) before any cell unless the results directory, its store and its
+    report can be written: a sweep that cannot record its cells would run them for nothing."""
+    from sparkllm.outdir import OutputRefused, probe_writable
+
+    try:
+        probe_writable(results, "--results")
+    except OutputRefused as exc:
+        raise UsageError(str(exc)) from None
+    bench_store.check_store(results / bench_store.STORE_NAME)
+    bench_store.check_writable(results / bench_store.STORE_NAME)
+
+
 def main(argv: list[str] | None = None, runner: Runner | None = None) -> int:
     a = build_parser().parse_args(argv)
     return run_main("sweep.py", lambda: _main(a, runner))
+
+
+def _needs_decode(a: argparse.Namespace) -> bool:
+    """Whether the command line asks for what only the decode profile measures: a load level other than one
+    stream, a request rate, an input depth."""
+    conc = str(a.concurrency or "1").replace(" ", "")
+    return conc != "1" or a.request_rate is not None or str(a.depth or "0").replace(" ", "") not in ("0", "")
 
 
 def _main(a: argparse.Namespace, runner: Runner | None) -> int:
@@ -614,6 +640,10 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
             extra[var] = getattr(a, flag)
     if a.request_rate is not None and a.concurrency is None and "bench_concurrency" not in extra:
         extra["bench_concurrency"] = ""  # rates only
+    if "bench_profile" not in extra and _needs_decode(a):
+        # load levels, rates and depths are the decode profile's: the bench stage's default, records,
+        # measures one stream of whole requests and refuses them
+        extra["bench_profile"] = "decode"
     settings = {**load_settings(), **extra}
     load = load_points(settings)
     if a.optimise_rate is not None and _rate_key(a.optimise_rate) not in {_rate_key(r) for r in load.rates}:
@@ -622,7 +652,7 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
     if a.optimise_concurrency is not None and a.optimise_concurrency not in load.concurrency:
         raise UsageError(f"--optimise-concurrency {a.optimise_concurrency}: not one of the measured levels "
                          f"({','.join(map(str, load.concurrency)) or 'none: pass --concurrency'})")
-    ks = parse_k(a.k, settings.get("spark_method_catalogue") or {})  # up front, before any note
+    ks = {**DEFAULT_K, **parse_k(a.k, settings.get("spark_method_catalogue") or {})}  # up front
     methods, notes = choose_methods(a.methods, settings)
     for m, why in notes.items():
         verb = "may fail" if m in methods else "left out"
@@ -630,6 +660,7 @@ def _main(a: argparse.Namespace, runner: Runner | None) -> int:
     if not methods:
         raise UsageError("no method can be swept with these settings (see above); pass --methods")
     known = list(settings.get("spark_method_catalogue") or {})
+    check_results_dir(Path(a.results).resolve())
     sw = Sweep(expand_grid(methods, a.mtp_k, extra, known, ks), a.repeats, Path(a.results).resolve(),
                inventory=a.inventory, runner=runner or ansible_runner_run, quiet=a.quiet,
                optimise_concurrency=a.optimise_concurrency or 1, optimise_rate=a.optimise_rate, load=load,

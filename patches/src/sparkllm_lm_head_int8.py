@@ -22,11 +22,26 @@ and its quant_method by Int8LMHeadMethod, whose apply() computes x @ (q * s)^T:
 Before the BF16 weight is dropped, the kernel is checked on the device against the dequantized
 weight on random inputs; on any error or disagreement the head stays BF16 and a warning says
 why. One INFO line per quantized head reports shape, kernel and errors.
+
+The Triton kernel's tiles are autotuned for the device at load (before CUDA-graph capture): for
+each bucket of token counts (TUNE_BUCKETS) a few candidate tiles are timed with CUDA events on
+the real quantized weight, checked against the fixed table's output, and the fastest is kept for
+the process (fixed from then on). The choice is cached as JSON in SPARKLLM_LM_HEAD_INT8_TUNE_DIR
+(keyed by GPU, compute capability, shape, dtype, Triton version and the candidates): a cache hit
+skips the timing; a corrupt or unwritable cache is logged and ignored. SPARKLLM_LM_HEAD_INT8_TUNE=0
+keeps the fixed table (tiles measured on an H200). One INFO line says which tiles and why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
+import statistics
+import tempfile
+import time
+from typing import NamedTuple
 
 import torch
 from torch.nn import Parameter
@@ -45,6 +60,10 @@ _CHUNK_ROWS = 8192  # rows quantized at a time (bounds the fp32 temporary)
 _CHECK_ROWS = 4096  # rows of the reference product in the load-time check
 _CHECK_TOKENS = 8
 _CHECK_TOLERANCE = 0.02  # kernel vs dequantized reference, relative to max |logit|
+# Autotune: on (default) unless this is 0/false/no/off; where its JSON cache lives (unset: not cached).
+TUNE_ENV = "SPARKLLM_LM_HEAD_INT8_TUNE"
+TUNE_DIR_ENV = "SPARKLLM_LM_HEAD_INT8_TUNE_DIR"
+_TUNE_SCHEMA = 1  # bump when the kernel changes: an old cache file then misses
 
 
 def enabled() -> bool:
@@ -127,7 +146,253 @@ def _build_triton_kernel():
     return int8_logits_kernel
 
 
-def _triton_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+class Tile(NamedTuple):
+    """One launch configuration of the Triton kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int  # 3 is Triton's default on CUDA (triton/backends/nvidia/compiler.py:109, 3.6.0)
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.warps}/s{self.stages}"
+
+
+def fixed_tile(m: int) -> Tile:
+    """The table measured on an H200 (vocab 248320 x 3072, bf16 in): M <= 32 streams the weight at
+    ~3.8 TB/s (about 1.9x faster than the BF16 GEMM); above 64 tokens the kernel is compute-bound and
+    slower than cuBLAS BF16 (1.3x at 128, 1.7x at 256 there). Used when the autotune is off or fails."""
+    if m <= 32:
+        return Tile(16 if m <= 16 else 32, 64, 256, 4, 3)
+    if m <= 64:
+        return Tile(64, 128, 64, 4, 3)
+    return Tile(128, 256, 64, 8, 3)
+
+
+# Token counts a decode step can have (max_num_seqs x (1 + speculative tokens); the logits are taken
+# for sampled positions only): a step of m tokens uses the smallest bucket >= m, above the last one
+# the last one's tiles.
+TUNE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Candidates (the fixed table's tiles among them): tile heights that fit the bucket, a few widths,
+# depths, warps and pipeline stages. tl.dot needs a tile height of at least 16.
+CANDIDATES = (
+    Tile(16, 64, 256, 4, 3), Tile(16, 32, 256, 4, 3), Tile(16, 128, 128, 4, 3), Tile(16, 64, 128, 4, 4),
+    Tile(16, 64, 512, 4, 2), Tile(16, 128, 256, 8, 3),
+    Tile(32, 64, 256, 4, 3), Tile(32, 128, 128, 4, 3), Tile(32, 64, 128, 4, 4),
+    Tile(64, 128, 64, 4, 3), Tile(64, 128, 128, 8, 3), Tile(64, 64, 128, 4, 3),
+    Tile(128, 256, 64, 8, 3), Tile(128, 128, 64, 8, 3), Tile(128, 128, 128, 8, 3),
+)
+_TUNE_WARMUP = 3
+_TUNE_REPS = 15
+
+
+def bucket_for(m: int, buckets: tuple[int, ...] = TUNE_BUCKETS) -> int:
+    """The bucket whose tiles serve a step of m tokens."""
+    for b in buckets:
+        if m <= b:
+            return b
+    return buckets[-1]
+
+
+def candidates_for(bucket: int) -> list[Tile]:
+    """The candidates timed for a bucket: those whose tile height suits its token count."""
+    if bucket <= 16:
+        heights = {16}
+    elif bucket <= 32:
+        heights = {16, 32}
+    elif bucket <= 64:
+        heights = {32, 64}
+    else:
+        heights = {64, 128}
+    return [t for t in CANDIDATES if t.block_m in heights]
+
+
+def pick_fastest(timings: dict[int, dict[Tile, float]]) -> dict[int, Tile]:
+    """Per bucket, the candidate with the least time (the first listed on a tie); a bucket with no
+    timed candidate keeps the fixed table's tile."""
+    chosen = {}
+    for bucket in TUNE_BUCKETS:
+        times = timings.get(bucket) or {}
+        ok = [(t, c) for c, t in times.items() if t is not None and t == t and t > 0]
+        chosen[bucket] = min(ok, key=lambda tc: (tc[0], CANDIDATES.index(tc[1])))[1] if ok \
+            else fixed_tile(bucket)
+    return chosen
+
+
+def tune_enabled() -> bool:
+    raw = os.environ.get(TUNE_ENV, "").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if raw == "" or raw in _TRUE:
+        return True
+    logger.warning("sparkllm: %s=%r is not a boolean (1 to autotune the lm_head INT8 tiles, 0 for the "
+                   "fixed table): using the fixed table", TUNE_ENV, os.environ.get(TUNE_ENV))
+    return False
+
+
+def tune_key(gpu: str, capability: tuple[int, int], n: int, k: int, dtype: str,
+             triton_version: str) -> dict:
+    """What a cached choice is valid for: the device, the shape, the activations' dtype, the compiler
+    and the candidate list (a change of any of them misses the cache)."""
+    return {"schema": _TUNE_SCHEMA, "gpu": gpu, "capability": f"{capability[0]}.{capability[1]}",
+            "n": int(n), "k": int(k), "dtype": str(dtype).replace("torch.", ""),
+            "triton": triton_version, "buckets": list(TUNE_BUCKETS),
+            "candidates": [list(t) for t in CANDIDATES]}
+
+
+def tune_cache_file(directory: str, key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(directory, f"sparkllm-lm-head-int8-tiles-{digest}.json")
+
+
+def load_tune_cache(path: str, key: dict) -> dict[int, Tile] | None:
+    """The cached choice, or None when there is no file; a file that is not a valid choice for this key
+    is logged and ignored (the caller tunes again)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("sparkllm: lm_head INT8 tile cache %s unreadable (%s): ignored", path, e)
+        return None
+    try:
+        if doc["key"] != key:
+            raise ValueError("its key is not this device's, shape's or candidates'")
+        tiles = {int(b): Tile(*(int(v) for v in t)) for b, t in doc["tiles"].items()}
+        if set(tiles) != set(TUNE_BUCKETS) or not set(tiles.values()) <= set(CANDIDATES):
+            raise ValueError("its buckets or tiles are not this version's")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        logger.warning("sparkllm: lm_head INT8 tile cache %s is not a valid choice (%s): ignored", path, e)
+        return None
+    return tiles
+
+
+def save_tune_cache(path: str, key: dict, tiles: dict[int, Tile], timings: dict) -> bool:
+    """Write the choice atomically (temporary file, fsync, rename); False, with a warning, if it cannot."""
+    doc = {"key": key, "tiles": {str(b): list(t) for b, t in sorted(tiles.items())},
+           "timings_us": {str(b): {str(t): round(us, 1) for t, us in ts.items() if us is not None}
+                          for b, ts in sorted(timings.items())},
+           "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    directory = os.path.dirname(path) or "."
+    tmp = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tiles-", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        logger.warning("sparkllm: lm_head INT8 tile cache %s not written (%s): the choice holds for this "
+                       "process only", path, e)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return False
+
+
+# (rows, cols, dtype, device) -> tiles per bucket, set once per shape at load (before CUDA-graph
+# capture) and never changed afterwards
+_TUNED: dict[tuple, dict[int, Tile]] = {}
+
+
+def _time_tile(x, q, scale, tile: Tile) -> float:
+    """Median microseconds of one launch with this tile (CUDA events)."""
+    for _ in range(_TUNE_WARMUP):
+        _triton_logits(x, q, scale, tile)
+    times = []
+    for _ in range(_TUNE_REPS):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        _triton_logits(x, q, scale, tile)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def autotune(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> dict[int, dict[Tile, float]]:
+    """Time every bucket's candidates on this weight; a candidate that fails to compile or run, or
+    whose logits disagree with the fixed tile's, is left out (None)."""
+    n, k = q.shape
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    timings: dict[int, dict[Tile, float]] = {}
+    for bucket in TUNE_BUCKETS:
+        x = torch.randn(bucket, k, generator=gen, device=q.device, dtype=torch.float32).to(dtype)
+        ref = _triton_logits(x, q, scale, fixed_tile(bucket)).float()
+        bound = _CHECK_TOLERANCE * float(ref.abs().max().clamp_min(1e-30))
+        timings[bucket] = {}
+        for tile in candidates_for(bucket):
+            try:
+                out = _triton_logits(x, q, scale, tile).float()
+                if not float((out - ref).abs().max()) <= bound:
+                    raise ValueError("logits disagree with the fixed tile's")
+                timings[bucket][tile] = _time_tile(x, q, scale, tile)
+            except Exception as e:  # out of shared memory, compile error, disagreement: skip it
+                logger.debug("sparkllm: lm_head INT8 tile %s for M<=%d left out: %s", tile, bucket, e)
+                timings[bucket][tile] = None
+        del x, ref
+    return timings
+
+
+def _describe(tiles: dict[int, Tile]) -> str:
+    return ", ".join(f"M<={b}: {t}" for b, t in sorted(tiles.items()))
+
+
+def tune_tiles(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """Choose the tiles for this head's shape on its device (cache, else timing, else the fixed table)
+    and log the choice in one INFO line. Never raises: the fixed table is always usable."""
+    n, k = q.shape
+    slot = (n, k, dtype, q.device)
+    if slot in _TUNED or q.device.type != "cuda":
+        return
+    if not tune_enabled():
+        _TUNED[slot] = {b: fixed_tile(b) for b in TUNE_BUCKETS}
+        logger.info("sparkllm: lm_head INT8 tiles for %dx%d: fixed table (%s off): %s", n, k, TUNE_ENV,
+                    _describe(_TUNED[slot]))
+        return
+    started = time.perf_counter()
+    try:
+        import triton
+
+        props = torch.cuda.get_device_properties(q.device)
+        key = tune_key(props.name, (props.major, props.minor), n, k, str(dtype), triton.__version__)
+        directory = os.environ.get(TUNE_DIR_ENV, "").strip()
+        path = tune_cache_file(directory, key) if directory else None
+        tiles = load_tune_cache(path, key) if path else None
+        if tiles is not None:
+            _TUNED[slot] = tiles
+            logger.info("sparkllm: lm_head INT8 tiles for %dx%d on %s: %s, from cache %s", n, k, props.name,
+                        _describe(tiles), path)
+            return
+        timings = autotune(q, scale, dtype)
+        tiles = pick_fastest(timings)
+        saved = save_tune_cache(path, key, tiles, timings) if path else False
+    except Exception as e:  # the fixed table is always there
+        _TUNED[slot] = {b: fixed_tile(b) for b in TUNE_BUCKETS}
+        logger.warning("sparkllm: lm_head INT8 tile autotune failed (%s: %s): fixed table",
+                       type(e).__name__, e)
+        return
+    _TUNED[slot] = tiles
+    where = f"cached in {path}" if saved else (f"not cached: {TUNE_DIR_ENV} unset" if not path else
+                                                 "not cached")
+    logger.info("sparkllm: lm_head INT8 tiles for %dx%d on %s: %s, autotuned in %.1f s (%s)", n, k,
+                props.name, _describe(tiles), time.perf_counter() - started, where)
+
+
+def tile_for(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
+    """The tile a step of m tokens launches with: the tuned one for this shape, else the fixed table."""
+    tiles = _TUNED.get((n, k, dtype, device))
+    return tiles[bucket_for(m)] if tiles else fixed_tile(m)
+
+
+def _triton_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   tile: Tile | None = None) -> torch.Tensor:
     global _triton_kernel
     import triton
 
@@ -138,20 +403,14 @@ def _triton_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    # Tiles measured on an H200 (vocab 248320 x 3072, bf16 in): M <= 32 streams the weight
-    # at ~3.8 TB/s (about 1.9x faster than the BF16 GEMM); above 64 tokens the kernel is
-    # compute-bound and slower than cuBLAS BF16 (1.3x at 128, 1.7x at 256 there).
-    if m <= 32:
-        block_m, block_n, block_k, warps = (16 if m <= 16 else 32), 64, 256, 4
-    elif m <= 64:
-        block_m, block_n, block_k, warps = 64, 128, 64, 4
-    else:
-        block_m, block_n, block_k, warps = 128, 256, 64, 8
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    if tile is None:
+        tile = tile_for(m, n, k, x.dtype, x.device)
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
     _triton_kernel[grid](
         x, q, scale, out, m, n, k, x.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        FP32_DOT=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=warps,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        FP32_DOT=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=tile.warps,
+        num_stages=tile.stages,
     )
     return out
 
@@ -238,6 +497,8 @@ def _quantize_head(model_name: str, name: str, head, kernel: str) -> None:
     weight = head.weight
     rows, cols = weight.shape
     q, scale, w_err, w_max = quantize_per_row(weight)
+    if kernel == "triton":
+        tune_tiles(q, scale, weight.dtype)  # before the check, so the check runs the chosen tiles
     kernel_err, logit_err = _check_kernel(weight, q, scale, kernel)
     if not kernel_err <= _CHECK_TOLERANCE:
         raise RuntimeError(

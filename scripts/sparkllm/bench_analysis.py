@@ -11,7 +11,8 @@
   no more often than the floor is flagged with probability at most alpha; ``bench_stats.miss_rate`` and
   ``prompts_needed`` give the chance of missing a given error share. The baseline row is the one of the
   same context (load, sampling, model, checkpoint, prompts); without one at that load point, a baseline
-  row of the same checkpoint, prompt set, sampling and host at another load point. Rows with none are
+  row of the same checkpoint, prompt set, sampling and host at another load point; always one served with
+  the same LM head (the run meta's ``lm_head_int8``, absent = BF16), as INT8 logits differ. Rows with none are
   "outputs not checked", beside the recommendation too, with the command that records a baseline. Runs
   sampled with temperature > 0 are not compared.
 - **The recommendation.** Among rows of valid runs whose outputs do not differ: the best single-stream
@@ -31,6 +32,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from sparkllm import bench_ceiling, bench_records
 from sparkllm.bench_common import fmt
 from sparkllm.bench_depth import FILLER_SHA256
 from sparkllm.bench_stats import (
@@ -46,8 +48,9 @@ from sparkllm.bench_stats import (
 OUTPUTS_DIFFER = "outputs differ from baseline"
 NOT_CHECKED = "outputs not checked"
 # what records the outputs a method is checked against (a single-method deploy labels its runs mtp-k2 ...)
-FIX_BASELINE = ("`make deploy SPEC_METHOD=baseline` on that Spark with the same checkpoint and prompt set "
-                "(or `scripts/sweep.py --methods baseline,...`), then `bench.py report DIR`")
+FIX_BASELINE = ("`make deploy SPEC_METHOD=baseline` on that Spark with the same checkpoint, prompt set and "
+                "vllm_lm_head_int8 (or `scripts/sweep.py --methods baseline,...`), then "
+                "`bench.py report DIR`")
 # the load is not part of what must match for outputs: greedy text does not depend on it (the floor and
 # the check at each level catch batch-dependent numerics)
 _LOAD_KEYS = ("concurrency", "request_rate", "goodput_targets")
@@ -138,10 +141,23 @@ def _host(m: Any) -> str | None:
     return next((str(h) for r in m.runs if (h := r.doc.get("meta", {}).get("host"))), None)
 
 
+def lm_head_int8(m: Any) -> bool:
+    """Whether the row was served with the INT8 LM head (the run meta's ``lm_head_int8``, the bench role's
+    record of vllm_lm_head_int8). A run without the key is BF16: stores from before the key existed were
+    served with the BF16 head, then the default."""
+    for r in m.runs:
+        v = r.doc.get("meta", {}).get("lm_head_int8")
+        if v is True or (isinstance(v, str) and v.strip().lower() in ("true", "1", "yes")):
+            return True
+    return False
+
+
 def _outputs_key(m: Any) -> str:
-    """What outputs compared across rows must share: the context less the load, plus the host."""
+    """What outputs compared across rows must share: the context less the load, plus the host and the LM
+    head's dtype (the INT8 head changes logits slightly, so its greedy text is compared only with a baseline
+    served with the same head)."""
     c = {k: v for k, v in ctx(m).items() if k not in _LOAD_KEYS}
-    return json.dumps({**c, "host": _host(m)}, sort_keys=True, default=str)
+    return json.dumps({**c, "host": _host(m), "lm_head_int8": lm_head_int8(m)}, sort_keys=True, default=str)
 
 
 def reference_row(m: Any, stats: Sequence[Any], baseline: str) -> Any | None:
@@ -317,9 +333,9 @@ def recommendation_lines(stats: Sequence[Any], baseline: str = "baseline") -> li
                      + ", ".join(f"`{x}`" for x in excluded) + ".")
     if unchecked:
         lines.append(f"- {NOT_CHECKED.capitalize()} for " + ", ".join(f"`{x}`" for x in unchecked)
-                     + f": no `{baseline}` run of the same checkpoint, prompt set and sampling in this "
-                     f"store, so a method that garbles answers cannot be told from a right one. Record one: "
-                     f"{FIX_BASELINE}.")
+                     + f": no `{baseline}` run of the same checkpoint, prompt set, sampling and LM head in "
+                     f"this store, so a method that garbles answers cannot be told from a right one. "
+                     f"Record one: {FIX_BASELINE}.")
     lines.append("- Invalid runs are never counted (listed at the end).")
     return lines
 
@@ -334,14 +350,14 @@ def summary_lines(stats: Sequence[Any], baseline: str) -> list[str]:
         o = m.outputs
         if o is None:
             out.append(f"outputs of {m.label}: NOT CHECKED: no {baseline} run of the same checkpoint, prompt "
-                       f"set and sampling in the store; record one: {FIX_BASELINE.replace('`', '')}")
+                       f"set, sampling and LM head in the store; record one: {FIX_BASELINE.replace('`', '')}")
             continue
         verdict_text = OUTPUTS_DIFFER.upper() if o["differs"] else "same as baseline"
         out.append(f"outputs of {m.label}: {verdict_text}: compared with {o['baseline_row']} "
                    f"(runs {', '.join(o['baseline_runs'])}, recorded {o['baseline_started'] or '-'}): "
                    f"{o['differing']} of {o['compared']} prompts differ, floor "
                    f"{fmt(o['floor_identical_share'])}, p = {o['p_value']:.2g}")
-    return out
+    return out + bench_records.summary_lines(stats) + bench_ceiling.summary_lines(stats)
 
 
 def _targets(t: dict[str, float] | None) -> str:

@@ -16,7 +16,10 @@ Subcommands
 Exit codes: 0 success; 1 the work failed (``run``: nothing answers at ``--base-url``, or the run is
 invalid: it is still written and stored, marked invalid, and one line on stderr says why, also with
 ``--quiet``; ``lookup``: no such run); 2 usage error (bad option values, a malformed ``--base-url``,
-missing files named on the command line, an output the tool may not write).
+missing files named on the command line, an output the tool may not or cannot write: checked before
+anything is measured); 130 after Ctrl-C (SIGINT), 143 after SIGTERM (sparkllm/cli.py): a measured phase
+so stopped is still written and stored, marked invalid ("interrupted by SIGINT after N of M requests"),
+and one line says so.
 
 Known ``--meta-json`` keys (all optional, passed by the bench role): ``method``, ``config_hash``,
 ``repetition``, ``serve_argv``, ``speculative_config``, ``num_speculative_tokens``, ``topology``,
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import signal
 import sqlite3
 import sys
 import urllib.parse
@@ -70,7 +74,17 @@ from sparkllm.bench_store import (
     open_store,
     store_run,
 )
-from sparkllm.cli import doc_parser, run_main, subcommands
+from sparkllm.cli import (
+    EXIT_SIGNAL,
+    EXIT_USAGE,
+    Interrupted,
+    doc_parser,
+    run_main,
+    say_error,
+    signal_exit,
+    sigterm_unwinds,
+    subcommands,
+)
 
 
 def print_summary(doc: dict[str, Any], out: Any = None) -> None:
@@ -289,7 +303,10 @@ def cmd_run(a: argparse.Namespace) -> int:
                                   depth_text=depth_text,
                                   request_rate=rate, num_requests=num_requests, duration_s=duration,
                                   arrival_seed=a.arrival_seed, goodput=targets)
-                failed += _one_run(opts, ceiling)
+                rc = _one_run(opts, ceiling)
+                if rc > EXIT_USAGE:  # a signal: its partial run is kept; the runs after it are not made
+                    return rc
+                failed += rc
     return 1 if failed else 0
 
 
@@ -311,13 +328,22 @@ def _one_run(opts: RunOptions, ceiling: dict[str, Any] | None = None) -> int:
     bench_ceiling.attach(doc, ceiling)
     path = opts.out / f"{doc['run_id']}.json"
     atomic_write_json(path, doc)
-    conn = open_store(opts.out)
     try:
-        store_run(conn, doc)
-    finally:
-        conn.close()
+        conn = open_store(opts.out)
+        try:
+            store_run(conn, doc)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:  # the run is safe in its JSON file: name the store and the way back
+        raise WorkFailed(f"{opts.out / STORE_NAME}: {exc}; the run is kept in {path}: repair or move the "
+                         f"store, then `bench.py import {path} --store {opts.out}`") from None
     print_summary(doc)
     print(f"wrote {path}")
+    stop = (doc["meta"].get("interrupted") or {}).get("signal")
+    if stop:
+        print(f"bench.py run: {doc['problems'][0]}: those are written to {path} and stored, marked partial "
+              "and invalid", file=sys.stderr)
+        return EXIT_SIGNAL[signal.Signals[stop]]
     for w in doc.get("warnings") or []:
         print(f"bench.py run: warning: run {doc['run_id']}: {w}", file=sys.stderr)
     if not doc["valid"]:
@@ -451,7 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
         return add(name, text, description=text)
 
     r = parser("run", "benchmark a running server (stdlib only)")
-    r.add_argument("--base-url", required=True, help="server URL, http(s)://HOST[:PORT], e.g. http://127.0.0.1:8000")
+    r.add_argument("--base-url", required=True,
+                   help="server URL, http(s)://HOST[:PORT], e.g. http://127.0.0.1:8000 (a trailing /v1 is "
+                        "dropped, with a note: the bench adds /v1/... and /metrics itself)")
     r.add_argument("--model", required=True, help="served model name")
     r.add_argument("--label", required=True, help="method/config label, e.g. mtp-k2")
     r.add_argument("--out", required=True, help="results directory (run JSON + results.sqlite)")
@@ -549,7 +577,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    return run_main(f"bench.py {a.cmd}", lambda: dispatch(a), failed=(OSError, sqlite3.Error))
+    try:
+        with sigterm_unwinds():  # SIGTERM unwinds like Ctrl-C: a measured phase keeps what it measured
+            return run_main(f"bench.py {a.cmd}", lambda: dispatch(a), failed=(OSError, sqlite3.Error))
+    except (KeyboardInterrupt, Interrupted) as exc:  # outside a measured phase: nothing half written
+        name, rc = signal_exit(exc)
+        return say_error(f"bench.py {a.cmd}", f"interrupted by {name} before a run was measured; runs "
+                         "finished earlier are kept", rc)
 
 
 def dispatch(a: argparse.Namespace) -> int:

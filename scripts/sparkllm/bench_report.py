@@ -348,8 +348,12 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
              "| peak (p95 / max) | speedup vs baseline [95% CI] | TTFT median s | mean acceptance length "
              "| per-position acceptance |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    bad = bench_analysis._differing(stats)
     for m in stats:
         d, rm, sp = m.decode, m.run_medians, m.speedup
+        # a configuration whose outputs differ has no peak worth the name (a garbler's fastest request)
+        peak = ("- (outputs differ: no peak)" if (m.base_label, m.config_hash) in bad
+                else f"{fmt(d['p95'])} / {fmt(d['max'])}")
         speed = "1 (reference)" if m.base_label == baseline else (
             "- (no baseline run in the same context)" if m.baseline_row is None else "-"
         ) if sp["gmean"] is None else (
@@ -360,7 +364,7 @@ def render_markdown(stats: list[MethodStats], invalid: list[RunRow], baseline: s
                                  if rm["ci95_low"] is not None else " (1 run: no interval)")
         pp = "/".join(f"{x:.2f}" for x in m.per_position) if m.per_position else "-"
         lines.append(f"| {m.label} | {len(m.runs)} | {d['n']} | {fmt(d['median'])} | {fmt(d['p5'])}-"
-                     f"{fmt(d['p95'])} | {ci} | {fmt(rm['cv'], 3)} | {fmt(d['p95'])} / {fmt(d['max'])} "
+                     f"{fmt(d['p95'])} | {ci} | {fmt(rm['cv'], 3)} | {peak} "
                      f"| {speed} | {fmt(m.ttft_median, 3)} | {fmt(m.acc_len)} | {pp} |")
     cats = sorted({c for m in stats for c in m.by_cat})
     rows = {m.label: m for m in stats}
@@ -407,6 +411,15 @@ def _mark(m: MethodStats, bad: set[tuple[str, str | None]], baseline: str) -> st
     return "" if bench_analysis.checked(m, baseline) else " [not checked]"
 
 
+# red is the colour of "[outputs differ]" (docs/benchmarks.md, "Where the verdict shows"); every other series
+# takes matplotlib's default cycle without its red (C3), which a fourth method used to get
+SERIES_COLOURS = tuple(f"C{i}" for i in range(10) if i != 3)
+
+
+def _colour(j: int, mark: str) -> str:
+    return "red" if "differ" in mark else SERIES_COLOURS[j % len(SERIES_COLOURS)]
+
+
 def _save(fig: Any, plt: Any, path: Path) -> None:
     """Legends sit outside the axes (they cover nothing); the saved image grows to hold them."""
     fig.tight_layout()
@@ -446,40 +459,47 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
         if m.per_position:
             lines.setdefault((m.base_label, m.config_hash), []).append(m)
     longest = 1
-    for (label, _), ms in lines.items():
+    for j, ((label, _), ms) in enumerate(lines.items()):
         pos = _mean_positions([m.per_position for m in ms]) or []
         longest = max(longest, len(pos))
         mark = _mark(ms[0], bad, baseline)
-        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=label + mark,
-                **({"color": "red", "ls": "--"} if "differ" in mark else {}))
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=label + mark, color=_colour(j, mark),
+                **({"ls": "--"} if "differ" in mark else {}))
     ax.set_xlabel("draft position")
     ax.set_xticks(range(1, longest + 1))
     ax.set_ylabel("acceptance p_i = A_i / N")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by position")
-    if lines:
+    if lines:  # a chart with nothing drawn (no drafter's acceptance) is neither written nor linked
         _legend(ax)
-    _save(fig, plt, out / "acceptance_by_position.png")
-    names.append("acceptance_by_position.png")
+        _save(fig, plt, out / "acceptance_by_position.png")
+        names.append("acceptance_by_position.png")
+    else:
+        plt.close(fig)
     rows = {m.label: m for m in stats}
     cats = sorted({c for m in stats for c in m.by_cat})
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(cats) + 2), 4))
     others = [m for m in stats if m.base_label != baseline]
     width = 0.8 / max(1, len(others))
+    drawn = False
     for j, m in enumerate(others):
         base = rows.get(m.baseline_row) if m.baseline_row else None
         ys = [(m.by_cat.get(c) or 0) / b if base and (b := base.by_cat.get(c)) else 0 for c in cats]
+        drawn = drawn or any(ys)
         mark = _mark(m, bad, baseline)
         ax.bar([i + j * width for i in range(len(cats))], ys, width, label=m.label + mark,
-               **({"hatch": "//", "edgecolor": "red"} if "differ" in mark else {}))
+               color=_colour(j, mark),
+               **({"hatch": "//", "edgecolor": "black"} if "differ" in mark else {}))
     ax.axhline(1.0, color="grey", lw=1)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel(f"speedup vs {baseline} (category medians)")
     ax.set_title("Speedup per category")
-    if others:
+    if drawn:  # no row with a baseline to compare with: nothing to draw, nothing written or linked
         _legend(ax)
-    _save(fig, plt, out / "speedup_by_category.png")
-    names.append("speedup_by_category.png")
+        _save(fig, plt, out / "speedup_by_category.png")
+        names.append("speedup_by_category.png")
+    else:
+        plt.close(fig)
     closed = [m for m in stats if json.loads(m.context).get("request_rate") is None]
     if len({json.loads(m.context).get("concurrency") for m in closed}) > 1:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -492,7 +512,7 @@ def render_charts(stats: list[MethodStats], baseline: str, out: Path) -> list[st
             series.setdefault(name, []).append(point)
         for j, (name, pts) in enumerate(sorted(series.items())):
             pts.sort()
-            color = "red" if "differ" in name else f"C{j % 10}"
+            color = _colour(j, name)
             ax.plot([p[0] for p in pts], [p[1] or 0 for p in pts], marker="o", color=color,
                     label=f"{name} per stream")
             ax.plot([p[0] for p in pts], [p[2] or 0 for p in pts], marker="s", ls="--", color=color,
@@ -529,7 +549,7 @@ def _goodput_chart(plt: Any, rated: list[MethodStats], out: Path, bad: set[tuple
     for j, (name, pts) in enumerate(sorted(series.items())):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                color="red" if "differ" in name else f"C{j % 10}")
+                color=_colour(j, name))
     targets = {json.dumps(json.loads(m.context).get("goodput_targets"), sort_keys=True) for m in rated}
     what = ("goodput req/s (meeting every target)" if targets != {"null"} else "completed req/s")
     ax.set_xlabel("offered request rate (req/s, Poisson arrivals)")

@@ -60,6 +60,7 @@ from sparkllm.bench_rate import arrivals, goodput, meets, run_open_loop
 from sparkllm.bench_records import PROFILES
 from sparkllm.bench_stats import describe, fit_iid_acceptance
 from sparkllm.bench_telemetry import Telemetry
+from sparkllm.cli import Interrupted, signal_exit
 
 TOKEN_MISMATCH_TOLERANCE = 0.01
 
@@ -203,8 +204,13 @@ def _run_requests(ep: Endpoint, opts: RunOptions, work: list[RequestResult], pro
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, opts.concurrency))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C, SIGTERM: no worker takes another request
+        while not q.empty():
+            q.get_nowait()
+        raise
 
 
 def _rate_work(prompts: list[Prompt], opts: RunOptions) -> tuple[list[RequestResult], list[float]]:
@@ -501,24 +507,32 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     t_start = time.monotonic()
     prev = snap0
     rate_info: dict[str, Any] = {}
-    for block in blocks:
-        work = [RequestResult(len(results) + i, p.id, p.category, r) for i, (p, r) in enumerate(block)]
-        if opts.request_rate:
-            work = rate_work
-            rate_info = _run_rate(ep, opts, work, offsets, by_id, continuous, prog)
-        elif agent:
-            work = run_agent(ep, opts.model, prompts, opts.sampling, continuous, opts.repeats,
-                             lambda res: prog.step(f"{res.category} ttft {res.ttft_s:.2f}s" if res.ttft_s
-                                                   else (res.error or "")[:40]))
-        else:
-            _run_requests(ep, opts, work, by_id, continuous, prog)
-        results.extend(work)
-        if len(blocks) > 1:
-            toks = sum(w.output_tokens or 0 for w in work if w.ok)
-            snap = _settled_snapshot(ep, toks, prev, sum(1 for w in work if w.ok))
-            if prev.ok and snap.ok and restart_problem(prev, snap) is None:
-                spec_by_cat[work[0].category] = spec_metrics(prev, snap, _k_hint(opts.meta))
-            prev = snap
+    interrupted: str | None = None  # a signal's name: the run is kept, partial (issue 46 item 9)
+    work: list[RequestResult] = []
+    try:
+        for block in blocks:
+            work = [RequestResult(len(results) + i, p.id, p.category, r) for i, (p, r) in enumerate(block)]
+            if opts.request_rate:
+                work = rate_work
+                rate_info = _run_rate(ep, opts, work, offsets, by_id, continuous, prog)
+            elif agent:
+                work = run_agent(ep, opts.model, prompts, opts.sampling, continuous, opts.repeats,
+                                 lambda res: prog.step(f"{res.category} ttft {res.ttft_s:.2f}s" if res.ttft_s
+                                                       else (res.error or "")[:40]))
+            else:
+                _run_requests(ep, opts, work, by_id, continuous, prog)
+            results.extend(work)
+            if len(blocks) > 1:
+                toks = sum(w.output_tokens or 0 for w in work if w.ok)
+                snap = _settled_snapshot(ep, toks, prev, sum(1 for w in work if w.ok))
+                if prev.ok and snap.ok and restart_problem(prev, snap) is None:
+                    spec_by_cat[work[0].category] = spec_metrics(prev, snap, _k_hint(opts.meta))
+                prev = snap
+    except (KeyboardInterrupt, Interrupted) as exc:
+        interrupted = signal_exit(exc)[0]
+        # requests that ended (answered or failed); the ones in flight are not measured
+        kept = {id(r) for r in results}
+        results.extend(w for w in work if (w.ok or w.error) and id(w) not in kept)
     wall = time.monotonic() - t_start
     prog.close()
     sampler.stop_evt.set()
@@ -526,11 +540,15 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     telemetry.stop()
     client_tokens = sum(r.output_tokens or 0 for r in results if r.ok)
     answered = sum(1 for r in results if r.ok)
-    snap1 = _settled_snapshot(ep, client_tokens, snap0, answered) if len(blocks) == 1 else prev
+    snap1 = (MetricsSnapshot({}, time.monotonic(), ok=False) if interrupted  # no server figures then
+             else _settled_snapshot(ep, client_tokens, snap0, answered) if len(blocks) == 1 else prev)
     spec_all = spec_metrics(snap0, snap1, _k_hint(opts.meta))
     errors = sum(1 for r in results if not r.ok)
     bound = rate_info.get("max_in_flight", 0) if opts.request_rate else opts.concurrency
     problems = validity(errors, client_tokens, spec_all, snap0, snap1, sampler, bound, extra)
+    if interrupted:
+        problems = [f"interrupted by {interrupted} after {len(results)} of {total} requests",
+                    *([f"{errors} request(s) failed"] if errors else [])]
     meta = build_meta(opts, version, models, prompt_sha, len(prompts), continuous, started, sampler)
     run_id = make_run_id(opts.label)
     doc = {
@@ -542,6 +560,8 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         "errors_sample": sorted({r.error for r in results if r.error})[:5],
     }
     doc["meta"]["finished_utc"] = utc_now()
+    if interrupted:
+        doc["meta"]["interrupted"] = {"signal": interrupted, "measured": len(results), "planned": total}
     doc["meta"]["input_depth"] = opts.depth or None
     doc["meta"]["depth"] = depth_meta
     if depth_meta:

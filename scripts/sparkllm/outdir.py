@@ -9,6 +9,9 @@ one-line message naming the path and the fix):
 - an existing non-empty directory that this tool did not create (no marker of its own, and none of
   the tool's older bookkeeping files, which mark outputs written before the marker existed).
 
+``probe_writable`` refuses an output place no file can be created in (a read-only filesystem, an
+immutable or unwritable directory), so a tool finds it before its work, not after.
+
 A refusal happens before anything is written, so nothing is left behind.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -110,6 +114,29 @@ def check_output_dir(
             f"choose a new or empty directory"
         )
     return False
+
+
+def probe_writable(path: Path, flag: str = "--out") -> None:
+    """Refuse an output place no file can be written to, before any work: a temporary file is created and
+    removed in ``path`` (a directory) or, while it does not exist yet, in its nearest existing parent
+    (where it would be made). A read-only filesystem, an immutable directory, missing permissions or a
+    parent that is a file are found here, not after hours of work."""
+    place = path
+    while not place.exists() and not place.is_symlink() and place.parent != place:
+        place = place.parent
+    where = "" if place == path else f" (it would be made in {place})"
+    if not place.is_dir():
+        raise OutputRefused(f"{path}: {flag} cannot be made: {place} is not a directory; choose another path")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".sparkllm-probe-", dir=place)
+    except OSError as exc:
+        raise OutputRefused(
+            f"{path}: {flag} cannot be written{where}: {exc.strerror} [Errno {exc.errno}]; choose a "
+            f"writable directory for {flag} (or make this one writable: a read-only filesystem, "
+            f"permissions, chattr +i)"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def write_marker(directory: Path, tool: str) -> None:

@@ -12,8 +12,8 @@
 #    .venv-vllm to ask its own `vllm serve` parser and SpeculativeConfig about the dflash arguments. A second full environment (torch 2.11, another ~11 GB and ~5 min)
 #    would buy nothing more: without a GPU only the parser and config classes can be exercised.
 #
-# 3-5. CMake, the pinned vLLM sdists and FlashInfer wheels, and pip's dry-run resolution of every variant's
-#    installs (below).
+# 3-6. CMake, the pinned vLLM sdists and FlashInfer wheels, pip's dry-run resolution of every variant's
+#    installs, and the diffs of the upstream PRs the builds carry (below).
 #
 # Idempotent: when everything exists it exits in a few seconds.
 #
@@ -122,5 +122,9 @@ fi
 #    reads of each wheel's METADATA), then cached per machine (~/.cache/sparkllm/pip-resolve/) by the sha256
 #    of every input.
 "${py}" "${repo_root}/tests/contract/resolve_requirements.py"
+# 6. The diff of every upstream commit a build carries (extra_prs entries with diff_sha256; tests/contract/vllm_prs.py):
+#    made as the image build makes it (a two-commit fetch from github.com, the role's git diff options), checked
+#    against the pinned sha256, kept in ~/.cache/sparkllm/vllm-prs/; a rerun only checks the hash.
+"${py}" "${repo_root}/tests/contract/vllm_prs.py"
 
 echo "setup_vllm_env: done in $(( $(date +%s) - start )) s; ${venv}: $(du -sh "${venv}/" | cut -f1)"

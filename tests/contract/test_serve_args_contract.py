@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 import vllm_probe
-from spark_methods import LOAD_FORMATS, SETTING_DEFAULTS, spark_serve_argv, spark_speculative_config
+from spark_methods import (
+    LOAD_FORMATS,
+    SETTING_DEFAULTS,
+    spark_prefix_caching,
+    spark_serve_argv,
+    spark_speculative_config,
+)
 
 pytestmark = pytest.mark.vllm_contract
 
@@ -97,9 +103,14 @@ def assert_parsed_matches(parsed: dict, s: dict, catalogue: dict, argv: list[str
         assert parsed["tool_call_parser_registered"] is True, s["vllm_tool_call_parser"]
     else:
         assert parsed["tool_call_parser"] is None
-    # stats stay on (speculative metrics), prefix caching as the knob says (off by default), no key
+    # stats stay on (speculative metrics), prefix caching as the knob/catalogue say, no key
     assert parsed["disable_log_stats"] is False
-    assert parsed["enable_prefix_caching"] is s["vllm_enable_prefix_caching"]
+    prefix = spark_prefix_caching(s, catalogue)
+    assert parsed["enable_prefix_caching"] is prefix["enabled"]
+    # on: with the hybrid's align mode; off: vLLM's own "none" (nothing rendered)
+    assert parsed["mamba_cache_mode"] == (prefix["mamba_cache_mode"] or "none")
+    assert parsed["cache_config"] == "ok", parsed["cache_config"]
+    assert parsed["cache_mamba_cache_mode"] == parsed["mamba_cache_mode"]
     assert parsed["api_key"] is None
     assert parsed["tensor_parallel_size"] == s["spark_tensor_parallel_size"]
     assert parsed["distributed_executor_backend"] == (s["spark_distributed_backend"] or None)
@@ -146,13 +157,33 @@ def test_parser_rejects_unknown_flags(vllm_module):
 
 
 def test_defaults_name_a_backend_tool_parser_and_prefix_choice(vllm_module, catalogue):
-    """The default argv of every 0.19.1 method: FlashInfer, Qwen3.5's tool parser, prefix caching off."""
+    """The default argv of every 0.19.1 method: FlashInfer, Qwen3.5's tool parser, prefix caching on for
+    baseline only (align mode), off for the speculative methods (methods.yml prefix_caching)."""
     for method in methods_of(catalogue, "v0_19_1"):
         parsed = vllm_probe.parse_serve(spark_serve_argv(settings(spec_method=method), catalogue))["args"]
         assert parsed["attention_backend_resolved"] == "FLASHINFER", method
         assert parsed["enable_auto_tool_choice"] is True
         assert parsed["tool_call_parser"] == "qwen3_coder"
-        assert parsed["enable_prefix_caching"] is False
+        assert parsed["enable_prefix_caching"] is (method == "baseline"), method
+        assert parsed["mamba_cache_mode"] == ("align" if method == "baseline" else "none"), method
+
+
+QWEN35_ARCH = "Qwen3_5MoeForConditionalGeneration"  # our checkpoint's (tests/fixtures/make_checkpoints.py)
+
+
+def test_qwen35_prefix_caching_needs_align_and_an_explicit_flag_on_0_19_1(vllm_module):
+    """Why the catalogue renders --mamba-cache-mode align and always states the flag: 0.19.1's registry
+    marks Qwen3.5 hybrid without "all"-mode Mamba caching, and hybrids get no prefix caching by default."""
+    info = vllm_probe.hybrid_prefix_caching(QWEN35_ARCH)
+    assert info == {"ok": True, "is_hybrid": True, "supports_mamba_prefix_caching": False,
+                    "hybrid_default_prefix_caching": False}
+    assert not vllm_probe.hybrid_prefix_caching("NoSuchForCausalLM")["ok"]  # the check can fail
+
+
+def test_unknown_mamba_cache_mode_is_refused_by_0_19_1(vllm_module):
+    """Proves the cache check can fail: a mode vLLM does not know never reaches the engine."""
+    result = vllm_probe.parse_serve(["/model", "--enable-prefix-caching", "--mamba-cache-mode", "aligned"])
+    assert not result["ok"] or result["args"]["cache_config"].startswith("error"), result
 
 
 def test_unregistered_tool_parser_is_caught(vllm_module):
@@ -360,6 +391,15 @@ def test_dflash_probe_can_fail(dflash_answers):
     _, answers = dflash_answers
     result = answers[2 + len(MAIN_OPTIONS)]
     assert not result["ok"] and result["exit_code"] == 2
+
+
+def test_qwen35_prefix_caching_on_the_dflash_variant(vllm_module, catalogue, variants):
+    """0.26.0 turns prefix caching ON for hybrids by default and still has no "all" mode for Qwen3.5:
+    the catalogue's explicit --no-enable-prefix-caching for dflash is what keeps it off."""
+    answers = run_probe_020(variants, [{"hybrid_prefix": QWEN35_ARCH}])
+    assert answers[1] == {"ok": True, "is_hybrid": True, "supports_mamba_prefix_caching": False,
+                          "hybrid_default_prefix_caching": True}
+    assert "--no-enable-prefix-caching" in spark_serve_argv(settings(spec_method="dflash"), catalogue)
 
 
 # --- the real-GPU run's argv (tests/gpu/e2e.py) on the dflash variant's vLLM --------------------

@@ -3,7 +3,8 @@
 Importable (the contract tests use it in-process with .venv-vllm's vLLM 0.19.1) and runnable
 (``python vllm_probe.py < requests.json``, used in a subprocess for a second vLLM version put
 first on PYTHONPATH). Requests: a JSON list of ``{"argv": [...]}``, ``{"speculative": {...}}`` or
-``{"tool_call": {"parser": name, "text": model output, "tools": [OpenAI tool, ...]}}``;
+``{"tool_call": {"parser": name, "text": model output, "tools": [OpenAI tool, ...]}}`` or
+``{"hybrid_prefix": architecture}`` (how this vLLM caches a hybrid's prefix, ``hybrid_prefix_caching``);
 the answer is a JSON list on the last stdout line, prefixed with ``VLLM_PROBE_RESULT``.
 
 The platform is forced to vLLM's CPU platform before vLLM is first used.
@@ -25,7 +26,7 @@ REPORTED = (
     "enable_prefix_caching", "disable_log_stats", "tensor_parallel_size",
     "distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port", "headless",
     "api_key", "enforce_eager", "max_num_seqs", "enable_auto_tool_choice", "tool_call_parser",
-    "load_format",
+    "load_format", "mamba_cache_mode",
 )
 
 
@@ -92,7 +93,43 @@ def parse_serve(argv: list[str]) -> dict[str, Any]:
     reported.update(_check_attention(engine_args.attention_backend))
     reported.update(_check_tools_and_loader(args, engine_args))
     reported.update(_check_parallel(engine_args))
+    reported.update(_check_cache(engine_args))
     return {"ok": True, "args": reported}
+
+
+def _check_cache(engine_args) -> dict[str, Any]:
+    """Build vLLM's CacheConfig from the parsed prefix-caching options (a mamba cache mode this release
+    does not know is refused there, as the engine would)."""
+    from pydantic import ValidationError
+    from vllm.config import CacheConfig
+
+    try:
+        config = CacheConfig(enable_prefix_caching=bool(engine_args.enable_prefix_caching),
+                             mamba_cache_mode=engine_args.mamba_cache_mode)
+    except ValidationError as exc:
+        return {"cache_config": "error: " + "; ".join(e["msg"] for e in exc.errors())}
+    return {"cache_config": "ok", "cache_mamba_cache_mode": config.mamba_cache_mode}
+
+
+def hybrid_prefix_caching(architecture: str) -> dict[str, Any]:
+    """What this vLLM says about prefix caching for a model class, without a model: whether its registry
+    marks it hybrid and able to cache Mamba state in "all" mode (else vLLM falls back to "align"), and
+    whether a generative hybrid gets prefix caching by default (ModelConfig.is_prefix_caching_supported,
+    asked with just the attributes it reads)."""
+    force_cpu_platform()
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    info = ModelRegistry._try_inspect_model_cls(architecture)
+    if info is None:
+        return {"ok": False, "error": f"{architecture} is not registered"}
+    default_on = ModelConfig.is_prefix_caching_supported.fget(
+        SimpleNamespace(attn_type="hybrid", pooler_config=None))
+    return {"ok": True, "is_hybrid": info.is_hybrid,
+            "supports_mamba_prefix_caching": info.supports_mamba_prefix_caching,
+            "hybrid_default_prefix_caching": bool(default_on)}
 
 
 def _check_attention(backend) -> dict[str, Any]:
@@ -295,6 +332,8 @@ def main() -> int:
             answers.append(parse_serve(req["argv"]))
         elif "tool_call" in req:
             answers.append(extract_tool_calls(req["tool_call"]))
+        elif "hybrid_prefix" in req:
+            answers.append(hybrid_prefix_caching(req["hybrid_prefix"]))
         else:
             answers.append(check_speculative(req["speculative"]))
     print("VLLM_PROBE_RESULT " + json.dumps(answers))

@@ -192,10 +192,10 @@ class Record:
         return host
 
 
-def build_models(work: Path) -> dict:
+def build_models(work: Path, **shape) -> dict:
     py = sys.executable
     pair = work / "pair"
-    info = tiny_pair.generate(pair)
+    info = tiny_pair.generate(pair, **shape)  # shape: tiny_pair.generate's hidden=, rows= (the head's)
     hybrid = work / "hybrid"
     out = {"pair": {k: info[k] for k in ("int4_files", "fp8_files")}}
     if hybrid.exists() and not (hybrid / ".sparkllm_merge.json").exists():

@@ -40,6 +40,10 @@ repeat (which n-gram drafting can exploit).
 The tokenizer is byte-level BPE with no merges (256 byte tokens + Qwen's special tokens), written
 as tokenizer.json directly: deterministic, no training, no download.
 
+``--hidden 3072 --head-rows 248320`` gives the head the real model's shape (tests/gpu/head_records.py):
+the layers stay tiny (their fan-in-H noise scaled so they perturb as much as at hidden 256), and the
+embedding and lm_head are padded past the tokenizer's ids (see ``head_rows``).
+
 Prints one JSON line: paths, tensor counts, sizes, and the successor map of the printable bytes.
 Exit codes: 0 written, 1 the output exists and is not ours, 2 usage.
 """
@@ -96,6 +100,23 @@ SHARED_LINEARS = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
 def vocab_size() -> int:
     n = 256 + len(SPECIALS)
     return -(-n // 64) * 64
+
+
+# --hidden / --head-rows (generate(hidden=, head_rows=)): the real model's head shape on the tiny model
+# (tests/gpu/head_records.py). Only the embedding and lm_head grow to head_rows(): the rows past
+# vocab_size() are padding (no token of the tokenizer reaches them, as Qwen pads 248077 tokens to
+# 248320): zero in the embedding, small fixed noise in lm_head (PAD_LOGIT_STD, so the head is read and
+# quantized as a real one is, and never outscores the successor's logit, ~6.4).
+DEFAULT_H = H
+_HEAD_ROWS: int | None = None
+PAD_LOGIT_STD = 0.25  # std of a padding row's logit: row std PAD_LOGIT_STD / sqrt(H) (|normed h| = sqrt(H))
+PAD_BLOCK = 4096  # distinct noise rows, repeated to fill the padding (cheap to write)
+PADDED = (LM + "embed_tokens.weight", "lm_head.weight")
+
+
+def head_rows() -> int:
+    """config vocab_size: the rows of embed_tokens and lm_head."""
+    return _HEAD_ROWS or vocab_size()
 
 
 def special_id(tok: str) -> int:
@@ -169,7 +190,7 @@ def model_config() -> dict:
         "max_position_embeddings": MAX_POS, "partial_rotary_factor": ROTARY,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "mrope_interleaved": True,
                             "mrope_section": MROPE, "partial_rotary_factor": ROTARY},
-        "vocab_size": vocab_size(), "tie_word_embeddings": False, "use_cache": True,
+        "vocab_size": head_rows(), "tie_word_embeddings": False, "use_cache": True,
         "bos_token_id": special_id("<|endoftext|>"), "eos_token_id": special_id("<|im_end|>"),
         "pad_token_id": None, "dtype": "bfloat16",
     }
@@ -281,7 +302,10 @@ class Source:
         return int(self.succ[int(self.succ[t])])
 
     def _noise(self, *shape: int, std: float = NOISE) -> np.ndarray:
-        return bf16_round(self.rng.standard_normal(shape) * std)
+        # fan-in H: std scaled by sqrt(DEFAULT_H / H) (1 at the default), so a wider model's layers
+        # perturb the residual stream as much as the default's do
+        scale = (DEFAULT_H / H) ** 0.5 if shape[-1] == H else 1.0
+        return bf16_round(self.rng.standard_normal(shape) * (std * scale))
 
     def _layer(self, out: dict, p: str, kind: str) -> None:
         z = np.zeros
@@ -330,7 +354,8 @@ class Source:
         for i, kind in enumerate(layer_types()):
             self._layer(t, f"{LM}layers.{i}.", kind)
         t[LM + "norm.weight"] = np.zeros(H, np.float32)
-        t["lm_head.weight"] = bf16_round(head * LOGIT_SCALE)
+        # |normed h| = sqrt(H): the successor's logit stays ~LOGIT_SCALE * 16 at any width
+        t["lm_head.weight"] = bf16_round(head * (LOGIT_SCALE * (DEFAULT_H / H) ** 0.5))
         m = self.mtp
         fc = np.zeros((H, 2 * H), np.float32)
         fc[:, :H] = np.eye(H)  # vLLM feeds fc with [normed embedding ; normed hidden]
@@ -444,20 +469,40 @@ def _raw(dtype: str, a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a).astype(np_type).tobytes()
 
 
+def padding_rows(name: str, a: np.ndarray) -> tuple[int, np.ndarray | None]:
+    """(rows to append to ``a`` up to head_rows(), one block of them: None for zeros) for the embedding
+    and lm_head; (0, None) for any other tensor or when no padding is asked."""
+    rows = head_rows() - a.shape[0] if name in PADDED else 0
+    if rows <= 0:
+        return 0, None
+    if name != "lm_head.weight":
+        return rows, None
+    rng = np.random.default_rng(12345)  # the same padding in both checkpoints
+    return rows, rng.standard_normal((min(rows, PAD_BLOCK), a.shape[1])) * (PAD_LOGIT_STD / H ** 0.5)
+
+
 def write_safetensors(path: Path, tensors: list[tuple[str, str, np.ndarray]]) -> dict[str, dict]:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     blobs, off = [], 0
     for name, dtype, a in tensors:
         b = _raw(dtype, a)
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
+        pad, block = padding_rows(name, a)
+        row = len(b) // a.shape[0] if pad else 0
+        fill = _raw(dtype, block) if block is not None else bytes(row * min(pad, PAD_BLOCK))
+        n = len(b) + pad * row
+        header[name] = {"dtype": dtype, "shape": [a.shape[0] + pad, *a.shape[1:]],
+                        "data_offsets": [off, off + n]}
+        blobs.append((b, pad * row, memoryview(fill)))
+        off += n
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(h)) + h)
-        for b in blobs:
+        for b, left, fill in blobs:
             f.write(b)
+            while left > 0:  # padding rows: one block written again and again
+                f.write(fill[:left])
+                left -= min(left, len(fill))
     return {n: v for n, v in header.items() if n != "__metadata__"}
 
 
@@ -534,8 +579,24 @@ def write_fp8(d: Path, src: Source) -> dict:
     return {"listed": listed, "fp8_weights": sum(1 for n, t, _ in first + second if t == "F8_E4M3")}
 
 
-def generate(out: Path, seed: int = 0, shared_matter: bool = False) -> dict:
-    """Write out/int4 and out/fp8 (into a temporary sibling, renamed into place); the summary."""
+def generate(out: Path, seed: int = 0, shared_matter: bool = False, hidden: int | None = None,
+             rows: int | None = None) -> dict:
+    """Write out/int4 and out/fp8 (into a temporary sibling, renamed into place); the summary. ``hidden``
+    (a multiple of 128) and ``rows`` (config vocab_size, >= vocab_size()) give the head another shape."""
+    global H, _HEAD_ROWS
+    hidden = hidden or DEFAULT_H
+    if hidden % GROUP or (rows or vocab_size()) < vocab_size() or (shared_matter and hidden != DEFAULT_H):
+        raise ValueError(f"hidden {hidden} must be a multiple of {GROUP}, rows {rows} at least "
+                         f"{vocab_size()} (and --shared-experts-matter is built for hidden {DEFAULT_H})")
+    saved = H, _HEAD_ROWS
+    H, _HEAD_ROWS = hidden, rows
+    try:
+        return _generate(out, seed, shared_matter)
+    finally:
+        H, _HEAD_ROWS = saved
+
+
+def _generate(out: Path, seed: int, shared_matter: bool) -> dict:
     out = out.resolve()
     if out.exists():
         if not (out / MARKER).is_file():
@@ -545,7 +606,8 @@ def generate(out: Path, seed: int = 0, shared_matter: bool = False) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     src = Source(seed, shared_matter)
     info: dict[str, object] = {"int4": str(out / "int4"), "fp8": str(out / "fp8"), "seed": seed,
-                               "shared_experts_matter": shared_matter}
+                               "shared_experts_matter": shared_matter, "hidden": H, "vocab_size": head_rows(),
+                               "tokenizer_tokens": 256 + len(SPECIALS)}
     for sub, writer in (("int4", write_int4), ("fp8", write_fp8)):
         d = tmp / sub
         d.mkdir(parents=True)
@@ -554,7 +616,8 @@ def generate(out: Path, seed: int = 0, shared_matter: bool = False) -> dict:
     successors = {chr(t): chr(int(src.succ[t])) for t in PRINTABLE}
     info["successors"] = "".join(successors[c] for c in map(chr, PRINTABLE))
     (tmp / MARKER).write_text(json.dumps({"seed": seed, "successor_of_printable": info["successors"],
-                                          "shared_experts_matter": shared_matter}))
+                                          "shared_experts_matter": shared_matter, "hidden": H,
+                                          "vocab_size": head_rows()}))
     tmp.rename(out)
     return info
 
@@ -655,9 +718,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-experts-matter", action="store_true",
                    help="greedy text follows the successor map only through the last layer's shared "
                         "experts (negative control: without working FP8 shared experts it answers otherwise)")
+    p.add_argument("--hidden", type=int, default=DEFAULT_H, help=f"hidden size (default {DEFAULT_H})")
+    p.add_argument("--head-rows", type=int, default=None,
+                   help="config vocab_size: embedding and lm_head padded to this many rows "
+                        f"(default {vocab_size()}, the tokenizer's rounded up)")
     a = p.parse_args(argv)
     try:
-        info = generate(a.out, a.seed, a.shared_experts_matter)
+        info = generate(a.out, a.seed, a.shared_experts_matter, a.hidden, a.head_rows)
+    except ValueError as e:
+        print(f"tiny_pair.py: {e}", file=sys.stderr)
+        return 2
     except FileExistsError as e:
         print(f"tiny_pair.py: {e}", file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ import mtp_index_patch
 import pytest
 import serve_wait
 import sweep
+import tune
 import verify_checkpoint
 from bench_helpers import write_prompts
 from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
@@ -204,6 +205,18 @@ ROWS = [
     Row("bench run: --out an existing file", "bench.py",
         lambda w: ["run", "--base-url", "http://127.0.0.1:8000", "--model", "m", "--label", "x",
                    "--out", str(w.file)], 2, lambda w: "exists and is not a directory"),
+    Row("bench run: --out under a file (refused before any request)", "bench.py",
+        lambda w: ["run", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--label", "x",
+                   "--out", str(w.file / "results"), "--prompts", str(w.prompts), "--quiet"], 2,
+        lambda w: f"{w.file / 'results'}: --out cannot be made: {w.file} is not a directory"),
+    Row("bench run: --concurrency with an empty item", "bench.py",
+        lambda w: ["run", "--base-url", "http://127.0.0.1:8000", "--model", "m", "--label", "x",
+                   "--out", str(w.root / "r"), "--concurrency", "1,,2"], 2,
+        lambda w: "--concurrency '1,,2': an empty item"),
+    Row("bench run: --temperature -1", "bench.py",
+        lambda w: ["run", "--base-url", "http://127.0.0.1:8000", "--model", "m", "--label", "x",
+                   "--out", str(w.root / "r"), "--temperature", "-1"], 2,
+        lambda w: "--temperature -1: must be 0 (greedy) or more"),
     Row("bench run: nothing listening", "bench.py",
         lambda w: ["run", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m", "--label", "x",
                    "--out", str(w.root / "r"), "--prompts", str(w.prompts), "--quiet"], 1,
@@ -305,6 +318,7 @@ def test_report_without_matplotlib_is_markdown_with_one_line(world: World, monke
 def parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     out = []
     for name, p in [("bench.py", bench.build_parser()), ("sweep.py", sweep.build_parser()),
+                    ("tune.py", tune.build_parser()),
                     ("fetch_checkpoint.py", fetch_checkpoint.build_parser()),
                     ("hybrid_merge.py", hybrid_merge.build_parser()),
                     ("mtp_index_patch.py", mtp_index_patch.build_parser()),

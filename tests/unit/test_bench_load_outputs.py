@@ -125,6 +125,16 @@ def test_a_noise_floor_below_one_keeps_a_method_at_the_floor_and_flags_one_below
     assert bench_analysis.best_row(stats, 1).label == "mtp-k2"
 
 
+def _rows(stats: list, store: Path, *labels: str) -> dict:
+    """The report's rows by label; a missing one fails naming why its runs were left out (their problems)."""
+    rows = {m.label: m for m in stats}
+    missing = [x for x in labels if x not in rows]
+    if missing:
+        left_out = {r.run_id: r.problems for r in bench_report.load_runs(store) if not r.valid}
+        raise AssertionError(f"rows {missing} missing from the report; invalid runs left out: {left_out}")
+    return rows
+
+
 def test_fast_garbled_method_is_flagged_and_never_best(tmp_path: Path) -> None:
     base = Config(model="m", step_time=0.01)
     good = Config(model="m", step_time=0.01, spec=True, method="mtp", k=2, pattern=(1,))
@@ -135,7 +145,7 @@ def test_fast_garbled_method_is_flagged_and_never_best(tmp_path: Path) -> None:
     docs = [json.loads(r[0]) for r in db.execute("SELECT doc FROM runs")]
     assert all(len(q["output_sha256"]) == 64 and q["output_text"] for d in docs for q in d["requests"])
     path, stats = bench_report.make_report(store, charts=False)
-    rows = {m.label: m for m in stats}
+    rows = _rows(stats, store, "baseline", "mtp-k2", "dflash-k2")
     assert rows["dflash-k2"].decode["median"] > rows["mtp-k2"].decode["median"]  # fastest...
     assert rows["dflash-k2"].differs and not rows["mtp-k2"].differs  # ...but garbled
     assert rows["mtp-k2"].outputs["identical_share"] == 1.0

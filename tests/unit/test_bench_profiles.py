@@ -172,3 +172,16 @@ def test_cli_records_run_reports_beside_the_records(tmp_path, capsys):
     from sparkllm.bench_analysis import summary_lines
     assert any(line.startswith("records profile mtp-k2:") and "Entrpi 59 tok/s" in line
                for line in summary_lines(stats, "baseline"))
+
+
+@pytest.mark.parametrize(("argv", "decode"), [
+    ([], False), (["--concurrency", "1"], False), (["--concurrency", "1,2"], True),
+    (["--request-rate", "0.5"], True), (["--depth", "0,8192"], True), (["--depth", "0"], False),
+])
+def test_sweep_load_options_measure_with_the_decode_profile(argv, decode):
+    """The bench stage's default profile (records) refuses rates and depths: a sweep asking for them (or for
+    several load levels) measures with the decode profile."""
+    import sweep
+
+    a = sweep.build_parser().parse_args(["--methods", "baseline", *argv])
+    assert sweep._needs_decode(a) is decode

@@ -167,7 +167,7 @@ def test_every_depth_request_carries_its_own_cache_salt(tmp_path: Path) -> None:
     assert doc["valid"] and doc["meta"]["request_rate"] == 50.0
 
 
-def test_version_2_store_is_migrated_to_3(tmp_path: Path) -> None:
+def test_version_2_store_is_migrated_to_the_current(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / bench_store.STORE_NAME)
     for version, _, sql in bench_store.MIGRATIONS[:2]:
         conn.executescript(sql)
@@ -177,11 +177,11 @@ def test_version_2_store_is_migrated_to_3(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     conn = bench_store.open_store(tmp_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
-    rows = conn.execute("SELECT run_id, input_depth, request_rate, goodput_share FROM runs")
-    assert [tuple(r) for r in rows] == [("old", 512, None, None)]
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == bench_store.SCHEMA_VERSION == 4
+    rows = conn.execute("SELECT run_id, input_depth, request_rate, goodput_share, profile FROM runs")
+    assert [tuple(r) for r in rows] == [("old", 512, None, None, None)]
     cols = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
-    assert {"arrival_s", "lag_s", "meets_targets"} <= cols
-    assert [r[0] for r in conn.execute("SELECT version FROM schema ORDER BY version")] == [3]
+    assert {"arrival_s", "lag_s", "meets_targets", "e2e_tok_s", "turn"} <= cols
+    assert [r[0] for r in conn.execute("SELECT version FROM schema ORDER BY version")] == [3, 4]
     assert bench_store.store_run(conn, fake_doc("baseline", 1, [10.0, 11.0]))  # a schema-1 doc still stores
     conn.close()

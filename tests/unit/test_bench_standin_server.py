@@ -64,3 +64,39 @@ def test_api_key_guards_v1_like_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
         assert get("/health") == 200 and get("/metrics") == 200
         assert get("/v1/models") == 401 and get("/v1/models", "wrong") == 401
         assert get("/v1/models", "sk-unit") == 200
+
+
+def test_running_gauge_drops_before_the_client_reads_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM removes a finished request from the scheduler's running list
+    (vllm/v1/core/sched/scheduler.py:1482) before the step's stats are made (:1545), and sets
+    vllm:num_requests_running from them (vllm/v1/metrics/loggers.py:1040) in the same pass that queues the
+    final output (vllm/v1/engine/async_llm.py:678-703): once a client has read [DONE], the gauge no longer
+    counts it. The
+    stand-in's bookkeeping after [DONE] is held here, as a busy machine delays it (issue 46 item 14: the
+    bench saw 2 running at concurrency 1 and left a valid run out)."""
+    import threading
+    import urllib.request
+
+    from sparkllm.bench_client import Endpoint, RequestResult, stream_request
+
+    held, go = threading.Event(), threading.Event()
+    real_finish = server.Handler._finish
+
+    def slow_finish(self, *a, **kw):  # the handler thread, descheduled after [DONE]
+        held.set()
+        go.wait(30)
+        return real_finish(self, *a, **kw)
+
+    monkeypatch.setattr(server.Handler, "_finish", slow_finish)
+    with server.StandinServer(server.Config(model="m", step_time=0.001)) as srv:
+        res = RequestResult(0, "p", "c", 0)
+        payload = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                   "max_tokens": 4, "stream_options": {"include_usage": True}}
+        try:
+            stream_request(Endpoint(srv.base_url), payload, res)
+            assert res.ok and held.wait(30)
+            text = urllib.request.urlopen(f"{srv.base_url}/metrics", timeout=30).read().decode()
+        finally:
+            go.set()
+    running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+    assert running and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in running), running

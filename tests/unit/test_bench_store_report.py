@@ -34,7 +34,8 @@ def test_cli_run_writes_json_and_store(tmp_path: Path, capsys: pytest.CaptureFix
         assert doc["summary"]["decode_tok_s"][key] is not None
     m = doc["meta"]
     assert m["server_version"] == {"version": "0.19.1"} and m["model"] == "qwen"
-    assert m["sampling"] == {"max_tokens": 9, "temperature": 0.0, "seed": 0, "thinking": "off", "stream": True}
+    assert m["sampling"] == {"max_tokens": 9, "temperature": 0.0, "seed": 0, "thinking": "off",
+                             "stream": True}
     assert len(m["prompts"]["sha256"]) == 64 and m["repetition"] == 2 and m["config_hash"] == "abc"
     assert m["method"] == "mtp" and "gpu" in m and m["started_utc"].endswith("Z")
     conn = sqlite3.connect(tmp_path / "out" / bench_store.STORE_NAME)

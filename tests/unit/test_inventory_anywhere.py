@@ -84,6 +84,12 @@ BAD_E = [
     (["-e", "spec_methd=ngram"], "spec_methd is not a variable of this toolkit (did you mean spec_method?)"),
     (["-e", "vllm_gpu_memory_utilisation=0.8"], "(did you mean vllm_gpu_memory_utilization?)"),
     (["--tags", "serv"], "--tags serv: no play or task has this tag (did you mean serve?); the stage tags"),
+    # knobs only the bench stage (the last) reads were refused only there (issue 46, 11)
+    (["-e", "bench_repeats=0"], "bench_repeats=0 is out of range (0 passes measure nothing)"),
+    (["-e", "bench_concurrency=1,,2"], "bench_concurrency='1,,2' has an empty item"),
+    (["-e", "bench_concurrency=8"], "level 8 is above vllm_max_num_seqs=4"),
+    (["-e", "bench_results_dir=/etc/hostname/results"], "bench_results_dir='/etc/hostname/results' cannot"),
+    (["-e", '{"vllm_max_model_len": 10000000}'], "vllm_max_model_len=10000000 is above 262144"),
 ]
 
 
@@ -99,3 +105,18 @@ def test_bad_input_is_refused_before_any_host_is_touched(
     assert "Traceback" not in out and "is undefined" not in out
     assert "UNREACHABLE" not in out  # refused in validation, before any connection
     assert tree_digest(outside_inventory.parent) == before
+
+
+# An inventory that names no Spark: every play skipped "no hosts matched" and ansible-playbook exited 0
+# having done nothing (issue 46, 10). The first play, on the controller, stops it with the fix.
+@pytest.mark.parametrize("text", [None, "sparks:\n  hosts:\n    spark-01:\n      ansible_host: x.lan\n",
+                                  "spark: [oops\n"], ids=["missing", "sparks", "not-yaml"])
+def test_site_stops_in_validation_when_no_host_is_in_spark(tmp_path: Path, text: str | None) -> None:
+    inv = tmp_path / "my-sparks.yml"
+    if text is not None:
+        inv.write_text(text)
+    r = ansible_playbook(inv, "site.yml", "--tags", NO_STAGE_TAG, "-e", "spec_method=mtp")
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert "The inventory has no host in the group `spark`" in out, out[-3000:]
+    assert "inventory/examples/" in out and "Traceback" not in out

@@ -32,6 +32,8 @@ def fake_bin(tmp_path: Path) -> Path:
         "with open(os.environ['RECORD'], 'a') as f:\n    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
     )
     tool.chmod(0o755)
+    # the real inventory reader: make_run asks it whether the inventory names a Spark
+    (b / "ansible-inventory").symlink_to(Path(sys.executable).parent / "ansible-inventory")
     (b / ".stamp").touch()  # newer than requirements.txt: `setup` has nothing to do
     return b
 
@@ -109,9 +111,54 @@ def test_bad_values_refused_before_anything_runs(
 
 def test_inventory_with_shell_characters_is_one_argument(fake_bin: Path, tmp_path: Path) -> None:
     mark = tmp_path / "MARK"
-    r, calls = make(fake_bin, "check", f"INVENTORY=x.yml; touch {mark}")
-    assert r.returncode == 0 and not mark.exists()
-    assert calls[0][:2] == ["-i", f"x.yml; touch {mark}"] and "--check" in calls[0]
+    inv = Path(f"{tmp_path}/x.yml; touch {mark}")  # a real inventory at that odd path
+    inv.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "inventory" / "hosts.yml", inv)
+    r, calls = make(fake_bin, "check", f"INVENTORY={inv}")
+    assert r.returncode == 0 and not mark.exists(), r.stderr
+    assert calls[0][:2] == ["-i", str(inv)] and "--check" in calls[0]
+
+
+# An inventory that names no Spark made every play skip ("no hosts matched") with rc 0 (issue 46, 10).
+NO_SPARK = [
+    (None, "no such file"),
+    ("spark: [oops\n  hosts: {a: {}\n", "Ansible cannot read it as an inventory"),
+    ("sparks:\n  hosts:\n    spark-01:\n      ansible_host: spark-01.lan\n", "no host in the group `spark`"),
+    ("spark:\n  hosts: {}\n", "no host in the group `spark`"),
+]
+
+
+@pytest.mark.parametrize(("text", "needle"), NO_SPARK, ids=["missing", "not-yaml", "sparks", "empty"])
+def test_an_inventory_without_a_spark_stops_before_any_play(fake_bin: Path, tmp_path: Path, text: str | None,
+                                                            needle: str) -> None:
+    inv = tmp_path / "my-sparks.yml"
+    if text is not None:
+        inv.write_text(text)
+    for target in ("deploy", "check"):
+        r, calls = make(fake_bin, target, f"INVENTORY={inv}")
+        assert calls == [], r.stdout  # ansible-playbook never ran
+        err = [line for line in r.stderr.splitlines() if line.startswith("make_run:")]
+        assert len(err) == 1 and needle in err[0] and str(inv) in err[0], r.stderr
+        assert "`spark`" in err[0] and "inventory/examples/" in err[0], err[0]
+    with pytest.raises(make_run.Refused, match=needle):
+        make_run.check_inventory(str(inv), str(fake_bin))
+
+
+def test_a_missing_inventory_exits_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    monkeypatch.setenv("INVENTORY", str(tmp_path / "nope.yml"))
+    monkeypatch.setenv("SPEC_METHOD", "mtp")
+    monkeypatch.setattr(make_run.os, "execv", lambda *a: pytest.fail(f"ran {a}"))  # never replace pytest
+    monkeypatch.setenv("BIN", str(Path(sys.executable).parent))
+    assert make_run.main(["deploy"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_an_inventory_with_sparks_in_child_groups_passes(fake_bin: Path, tmp_path: Path) -> None:
+    inv = tmp_path / "two.yml"
+    shutil.copy(ROOT / "inventory" / "examples" / "two-sparks.yml", inv)
+    r, calls = make(fake_bin, "deploy", f"INVENTORY={inv}")
+    assert r.returncode == 0, r.stderr
+    assert calls[0][:2] == ["-i", str(inv)]
 
 
 def test_python_variable_is_one_word(fake_bin: Path, tmp_path: Path) -> None:
@@ -136,3 +183,17 @@ def test_gpu_target_argv(monkeypatch: pytest.MonkeyPatch) -> None:
                         "--budget", "590"]
     with pytest.raises(make_run.Refused, match="unknown"):
         make_run.build_argv("nope", {})
+
+
+def test_tune_runs_the_tune_script_with_the_inventory_and_args(fake_bin: Path, tmp_path: Path) -> None:
+    inv = tmp_path / "hosts.yml"
+    inv.write_text("spark:\n  hosts:\n    spark-1:\n      ansible_connection: local\n")
+    env = {"INVENTORY": str(inv), "BIN": str(fake_bin), "ARGS": "--quick --heads int8"}
+    argv = make_run.build_argv("tune", env)
+    assert argv == [str(fake_bin / "python"), "scripts/tune.py", "--inventory", str(inv),
+                    "--quick", "--heads", "int8"]
+    with pytest.raises(make_run.Refused, match="INVENTORY"):
+        make_run.build_argv("tune", {"INVENTORY": "-x", "BIN": str(fake_bin)})
+    r, _ = make(fake_bin, "tune", f"INVENTORY={inv}", "ARGS=--dry-run --quick")
+    assert r.returncode == 0, r.stderr
+    assert "scripts/tune.py --inventory" in r.stdout and "estimate:" in r.stdout

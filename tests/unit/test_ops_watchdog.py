@@ -464,3 +464,106 @@ def test_ray_head_needs_ray_node(capsys) -> None:
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         wd.parse_args(["--unit", "u", "--url", "http://x", "--ray-node", "http://y", "--state", "s"])
+
+
+# ------------------------------------------------------- the watchdog's own state and odd /metrics (issue 46)
+def test_wrong_value_types_in_the_state_are_repaired_and_valid_fields_kept(bed, capsys) -> None:
+    tmp, _, _, calls, fake, srv = bed
+    a = _args(tmp, fake, srv)
+    now = time.time()
+    (tmp / "st.json").write_text(json.dumps({
+        "restarts": [now - 10, "soon", None], "failures": "many", "progress_at": "x", "gave_up": [1],
+        "sample": {"t": "a", "generated": 1}, "healthy_seen": "yes", "invocation": "inv1", "last": 5}))
+    assert wd.run(a) == 0 and wd.run(a) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    reset = [x for x in out.out.splitlines() if "reset" in x]
+    assert len(reset) == 1, out.out  # one line, said once: the second run reads the repaired file
+    assert str(tmp / "st.json") in reset[0]
+    for field in ("restarts", "failures", "progress_at", "gave_up", "sample", "healthy_seen", "last"):
+        assert field in reset[0], reset[0]
+    st = json.loads((tmp / "st.json").read_text())
+    assert st["restarts"] == [now - 10]  # the valid restart is kept: the rate limit still counts it
+    assert st["invocation"] == "inv1" and isinstance(st["failures"], int) and st["last"]["kind"] == "ok"
+    assert _calls(calls) == []
+
+
+def test_a_corrupt_state_is_kept_beside_it_and_said(bed, capsys) -> None:
+    tmp, _, _, _, fake, srv = bed
+    a = _args(tmp, fake, srv)
+    (tmp / "st.json").write_text('{"restarts": [17')
+    assert wd.run(a) == 0
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if "corrupt" in x]
+    assert len(line) == 1 and str(tmp / "st.json") in line[0], out
+    assert (tmp / "st.json.corrupt").read_text() == '{"restarts": [17'  # the restart history is not lost
+    assert str(tmp / "st.json.corrupt") in line[0]
+    assert json.loads((tmp / "st.json").read_text())["last"]["kind"] == "ok"
+
+
+def test_an_unwritable_state_dir_still_restarts_a_hung_engine(bed, capsys, monkeypatch) -> None:
+    """The state's directory cannot be written (a file stands where it should be; as root no mode
+    stops a write): the state moves to the fallback directory and the failures still count."""
+    tmp, _, engine_wedge, calls, fake, srv = bed
+    (tmp / "ro").write_text("")
+    monkeypatch.setattr(wd, "FALLBACK_DIR", tmp / "run")
+    a = _args(tmp, fake, srv)
+    a.state = tmp / "ro" / "st.json"
+    engine_wedge.touch()
+    try:
+        assert wd.run(a) == 0 and wd.run(a) == 0 and wd.run(a) == 0
+    finally:
+        engine_wedge.unlink()
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    assert _calls(calls) == ["restart --no-block u.service"], out.out
+    moved = [x for x in out.out.splitlines() if "cannot write" in x]
+    assert len(moved) == 1 and str(a.state) in moved[0] and str(tmp / "run") in moved[0], out.out
+
+
+def test_no_writable_state_anywhere_restarts_on_the_failure_and_says_so(bed, capsys, monkeypatch) -> None:
+    tmp, _, engine_wedge, calls, fake, srv = bed
+    (tmp / "ro").write_text("")
+    monkeypatch.setattr(wd, "FALLBACK_DIR", tmp / "ro" / "run")
+    a = _args(tmp, fake, srv)
+    a.state = tmp / "ro" / "st.json"
+    assert wd.run(a) == 0 and _calls(calls) == []  # healthy: nothing to do, said, no traceback
+    engine_wedge.touch()
+    try:
+        assert wd.run(a) == 0
+    finally:
+        engine_wedge.unlink()
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    assert _calls(calls) == ["restart --no-block u.service"], out.out
+    line = [x for x in out.out.splitlines() if "restarting" in x][-1]
+    assert "state" in line and "cannot be written" in line and str(a.state) in line, line
+
+
+@pytest.mark.parametrize("bad", ["NaN", "-1", "+Inf", "-Inf"])
+def test_non_finite_or_negative_metrics_are_no_answer(bad: str) -> None:
+    text = (f"vllm:generation_tokens_total{{engine=\"0\"}} {bad}\n"
+            "vllm:num_requests_running{engine=\"0\"} 2.0\n")
+    with pytest.raises(ValueError, match=r"vllm:generation_tokens_total.*no answer"):
+        wd.parse_metrics(text, 1.0)
+    text = ("vllm:generation_tokens_total{engine=\"0\"} 5\n"
+            f"vllm:num_requests_running{{engine=\"0\"}} {bad}\n")
+    with pytest.raises(ValueError, match="vllm:num_requests_running"):
+        wd.parse_metrics(text, 1.0)
+
+
+def test_nan_metrics_of_a_hung_engine_end_in_a_restart_not_busy_forever(bed, monkeypatch, capsys) -> None:
+    tmp, _, _, calls, fake, srv = bed
+    a = _args(tmp, fake, srv)
+    real = wd._request
+
+    def nan_metrics(url: str, timeout: float, headers: dict, body: bytes | None = None):
+        if url.endswith("/metrics"):
+            return 200, (b"vllm:generation_tokens_total 5\nvllm:num_requests_running NaN\n"
+                         b"vllm:num_requests_waiting 0\n")
+        return real(url, timeout, headers, body)
+
+    monkeypatch.setattr(wd, "_request", nan_metrics)
+    assert wd.run(a) == 0 and wd.run(a) == 0
+    assert _calls(calls) == ["restart --no-block u.service"]
+    assert "vllm:num_requests_running" in capsys.readouterr().out

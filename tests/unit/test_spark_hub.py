@@ -92,10 +92,44 @@ def _settings(**kw):
     return base
 
 
+APRIL_2026 = "6c7242c934a9870d7c59c05240bdbb2467cc1394"  # z-lab/dflash issue 152: the April weights
+
+
+def _revision(**kw):
+    return spark_speculative_config(_settings(**kw), CATALOGUE).get("revision")
+
+
+def test_the_catalogue_pins_the_dflash_drafter_to_the_april_commit():
+    """issue 44: left at "", the knob serves the commit methods.yml names, not whatever main is."""
+    assert CATALOGUE["dflash"]["speculative_config"]["revision"] == APRIL_2026
+    assert spark_speculative_config(_settings(), CATALOGUE)["revision"] == APRIL_2026
+    assert not spark_method_settings_errors(_settings(), CATALOGUE)
+    # the serve role locks it without asking the Hub (a 40-hex SHA is its own lock)
+    assert spark_drafter_lock({}, REPO, APRIL_2026) == APRIL_2026
+    recorded = {"drafter_revisions": {f"{REPO}@main": SHA_B}}
+    assert spark_drafter_lock(recorded, REPO, APRIL_2026, True) == APRIL_2026
+
+
+def test_the_knob_overrides_the_catalogues_commit():
+    assert _revision(spec_dflash_drafter_revision=SHA_A) == SHA_A
+    assert not spark_method_settings_errors(_settings(spec_dflash_drafter_revision=SHA_A), CATALOGUE)
+    # "main" asks for the branch again: resolved once and recorded, as before the pin
+    assert _revision(spec_dflash_drafter_revision="main") == "main"
+
+
+@pytest.mark.parametrize("drafter", ["/models/dflash", "someone/another-dflash-drafter"])
+def test_the_catalogues_commit_does_not_follow_another_drafter(drafter):
+    """A commit of z-lab's repo means nothing for a path or another repo: that drafter gets no revision
+    (a repo id is then resolved at main and recorded), and a path passes validation."""
+    config = spark_speculative_config(_settings(spec_dflash_drafter=drafter), CATALOGUE)
+    assert config["model"] == drafter and "revision" not in config
+    assert not spark_method_settings_errors(_settings(spec_dflash_drafter=drafter), CATALOGUE)
+    assert _revision(spec_dflash_drafter=drafter, spec_dflash_drafter_revision=SHA_B) == SHA_B
+
+
 def test_the_revision_reaches_the_speculative_config_only_when_set():
-    assert "revision" not in spark_speculative_config(_settings(), CATALOGUE)
-    pinned = spark_speculative_config(_settings(spec_dflash_drafter_revision=SHA_A), CATALOGUE)
-    assert pinned["revision"] == SHA_A
+    no_pin = {"spec_method": "eagle3", "spec_eagle3_drafter": "org/eagle"}  # the eagle3 entry pins nothing
+    assert "revision" not in spark_speculative_config(no_pin, CATALOGUE)
     eagle = {"spec_method": "eagle3", "spec_eagle3_drafter": "org/eagle",
              "spec_eagle3_drafter_revision": "v1"}
     assert spark_speculative_config(eagle, CATALOGUE)["revision"] == "v1"

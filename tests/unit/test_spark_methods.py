@@ -13,6 +13,7 @@ from spark_methods import (
     FilterModule,
     spark_method_settings_errors,
     spark_method_variant,
+    spark_prefix_caching,
     spark_serve_argv,
     spark_speculative_config,
 )
@@ -59,8 +60,14 @@ def test_catalogue_has_exactly_the_five_methods(catalogue):
 def test_every_method_names_an_existing_variant(methods_yml, catalogue):
     variants = methods_yml["spark_vllm_variants"]
     keys = ("ref", "extra_prs", "version")
-    assert {k: variants["v0_19_1"][k] for k in keys} == {"ref": "v0.19.1", "extra_prs": [],
-                                                         "version": "0.19.1"}
+    assert {k: variants["v0_19_1"][k] for k in keys} == {
+        "ref": "v0.19.1", "version": "0.19.1",
+        # PR 38325 (swapAB block-FP8 GEMM on SM12x) as the diff of its main commit; contract-tested against
+        # 0.19.1's source in tests/contract/test_upstream_pr_diffs_contract.py
+        "extra_prs": [{"pr": 38325, "sha": "580090db6bcbb95ca9413ccf2d4d6726e6e69799",
+                       "diff_sha256": "ea5754e13ab02b1ffa160302be893d78cc236de56d076fe88c4a3a004e3ded61",
+                       "rewrite": [["csrc/libtorch_stable/", "csrc/"],
+                                   ["torch::stable::Tensor", "torch::Tensor"]]}]}
     assert {k: variants["v0_26_dflash"][k] for k in keys} == {"ref": "v0.26.0", "extra_prs": [],
                                                               "version": "0.26.0"}
     for method, entry in catalogue.items():
@@ -124,6 +131,7 @@ def test_filter_module_registers_filters():
     assert filters["spark_serve_argv"] is spark_serve_argv
     assert filters["spark_speculative_config"] is spark_speculative_config
     assert filters["spark_method_settings_errors"] is spark_method_settings_errors
+    assert filters["spark_prefix_caching"] is spark_prefix_caching
 
 
 # --- speculative config per method -------------------------------------------------------------
@@ -135,7 +143,8 @@ def test_filter_module_registers_filters():
     ("mtp", {"method": "mtp", "num_speculative_tokens": 2}),
     ("eagle3", {"method": "eagle3", "model": "/drafters/eagle3", "num_speculative_tokens": 3}),
     ("dflash", {"method": "dflash", "model": "z-lab/Qwen3.5-122B-A10B-DFlash",
-                "num_speculative_tokens": 5, "attention_backend": "TRITON_ATTN"}),
+                "revision": "6c7242c934a9870d7c59c05240bdbb2467cc1394",
+                "num_speculative_tokens": 6, "attention_backend": "TRITON_ATTN"}),
 ])
 def test_speculative_config_defaults(catalogue, method, expected):
     assert spark_speculative_config(settings(spec_method=method), catalogue) == expected
@@ -178,8 +187,8 @@ def test_argv_common_options(catalogue, method):
     assert opt(argv, "--max-model-len") == "262144"
     assert opt(argv, "--gpu-memory-utilization") == "0.85"
     assert opt(argv, "--reasoning-parser") == "qwen3"
-    assert "--no-enable-prefix-caching" in argv
-    assert "--enable-prefix-caching" not in argv
+    # prefix caching is always explicit, one way or the other (0.26.0 turns it on for hybrids)
+    assert ("--enable-prefix-caching" in argv) != ("--no-enable-prefix-caching" in argv)
     assert "--disable-log-stats" not in argv
     assert not any("api-key" in a or "api_key" in a for a in argv)
     assert "--tensor-parallel-size" not in argv
@@ -386,6 +395,18 @@ def test_int_knobs(catalogue, name, bad):
     assert f"{name}={bad!r}" in msg and f"set {name}" in msg
 
 
+def test_a_context_longer_than_the_model_is_refused_at_validation(catalogue):
+    # vLLM refuses it only at the serve stage, after the build and download (issue 46, 11)
+    msg = one_error(catalogue, vllm_max_model_len=10_000_000)
+    assert "vllm_max_model_len=10000000 is above 262144" in msg and "max_position_embeddings" in msg
+    assert spark_method_settings_errors(settings(vllm_max_model_len=262144), catalogue) == []
+    # a RoPE-scaling override is the one way past it: left to vLLM
+    assert spark_method_settings_errors(settings(
+        vllm_max_model_len=1_010_000,
+        vllm_serve_extra_args=["--hf-overrides", '{"rope_scaling": {"rope_type": "yarn", "factor": 4}}']),
+        catalogue) == []
+
+
 @pytest.mark.parametrize("bad", ["nccl", "Ray", 1, True])
 def test_bad_backend(catalogue, bad):
     msg = one_error(catalogue, spark_distributed_backend=bad)
@@ -584,7 +605,9 @@ def test_tool_calling_off_and_other_parser(catalogue):
                                      "vllm_enable_auto_tool_choice=false"]),
     ({"vllm_tool_call_parser": "qwen3 coder"}, ["is not a parser name"]),
     ({"vllm_tool_call_parser": None}, ["vllm_tool_call_parser=None"]),
-    ({"vllm_enable_prefix_caching": 1}, ["vllm_enable_prefix_caching=1 is not a boolean"]),
+    ({"vllm_enable_prefix_caching": 1}, ["vllm_enable_prefix_caching=1 is not true, false or 'auto'"]),
+    ({"vllm_enable_prefix_caching": "true"}, ["vllm_enable_prefix_caching='true' is not true", "-e '{"]),
+    ({"vllm_enable_prefix_caching": None}, ["vllm_enable_prefix_caching=None", "'auto'"]),
     ({"vllm_max_num_seqs": 0}, ["vllm_max_num_seqs=0 is out of range", ">= 1"]),
     ({"vllm_max_num_seqs": "8"}, ["vllm_max_num_seqs='8' is not an integer", "-e '{"]),
     ({"vllm_load_format": "safetensor"}, ["vllm_load_format='safetensor'", "fastsafetensors"]),
@@ -605,9 +628,56 @@ def test_lm_head_int8_knob_is_no_argv(catalogue):
     assert not [w for w in on if "lm_head" in w.lower() or "int8" in w.lower()]
 
 
-def test_prefix_caching_knob(catalogue):
-    argv = spark_serve_argv(settings(vllm_enable_prefix_caching=True), catalogue)
-    assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
+# Prefix caching by evidence (methods.yml prefix_caching): on for baseline (0.19.1's align mode, no
+# speculation), off for every speculative method (corruption reports on hybrids; DFlash's start on 0.26.0).
+PREFIX_DEFAULTS = {"baseline": True, "ngram": False, "mtp": False, "eagle3": False, "dflash": False}
+
+
+def prefix_words(argv):
+    return [w for i, w in enumerate(argv) if "prefix-caching" in w or "mamba" in w
+            or (i and argv[i - 1] == "--mamba-cache-mode")]
+
+
+def test_prefix_caching_knob_defaults_to_the_catalogue(main_yml):
+    assert main_yml["vllm_enable_prefix_caching"] == "auto"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_prefix_caching_auto_takes_each_methods_choice(catalogue, method):
+    argv = spark_serve_argv(settings(spec_method=method), catalogue)
+    if PREFIX_DEFAULTS[method]:
+        assert prefix_words(argv) == ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
+    else:
+        assert prefix_words(argv) == ["--no-enable-prefix-caching"]
+    got = spark_prefix_caching(settings(spec_method=method), catalogue)
+    assert got == {"enabled": PREFIX_DEFAULTS[method],
+                   "mamba_cache_mode": "align" if PREFIX_DEFAULTS[method] else None, "source": "catalogue"}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("forced", [True, False])
+def test_prefix_caching_knob_forces_every_method(catalogue, method, forced):
+    s = settings(spec_method=method, vllm_enable_prefix_caching=forced)
+    argv = spark_serve_argv(s, catalogue)
+    # on: always with the hybrid's align mode (Qwen3.5 refuses "all" in 0.19.1 and 0.26.0)
+    assert prefix_words(argv) == (["--enable-prefix-caching", "--mamba-cache-mode", "align"] if forced
+                                  else ["--no-enable-prefix-caching"])
+    assert spark_prefix_caching(s, catalogue)["source"] == "knob"
+
+
+@pytest.mark.parametrize("bad", [None, {}, {"default": "yes"},
+                                 {"default": True, "mamba_cache_mode": "aligned"},
+                                 {"default": True, "mamba_cache_mode": "none"}])
+def test_malformed_prefix_caching_entry_is_a_catalogue_error(catalogue, bad):
+    broken = {**catalogue, "baseline": {**catalogue["baseline"], "prefix_caching": bad}}
+    with pytest.raises(CatalogueError, match="prefix_caching must be a mapping"):
+        spark_serve_argv(settings(spec_method="baseline"), broken)
+
+
+def test_mamba_cache_mode_is_managed(catalogue):
+    (error,) = spark_method_settings_errors(
+        settings(vllm_serve_extra_args=["--mamba-cache-mode=all"]), catalogue)
+    assert "repeats an option the toolkit sets itself" in error and "vllm_enable_prefix_caching" in error
 
 
 @pytest.mark.parametrize("load_format", ["auto", "safetensors", "fastsafetensors", "instanttensor",

@@ -83,6 +83,8 @@ def test_run_records_what_was_served():
     assert meta["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert "--speculative-config" in meta["serve_argv"]
     assert meta["topology"]["tensor_parallel_size"] in (1, "1")
+    # the project's default INT8 LM head (group_vars/all/main.yml): the outputs check pairs runs by it
+    assert meta["lm_head_int8"] in (True, "True")
     assert meta["config_hash"]
 
 

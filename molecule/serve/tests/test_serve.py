@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import yaml
 from playbook_runner import run_playbook
 
 PORT = 18431
@@ -29,6 +30,8 @@ TOKEN = "hf_MOLECULEserveFAKEtoken0123456789"  # host_vars/spark-serve.yml
 KEY_FILE = "/etc/sparkllm-test-api-key"  # prepare.yml
 API_KEY = "sk-molecule-serve-KEY-9f3a"
 ROLLBACK_MSG = "mtp failed to become ready; rolled back to ngram, which is serving"
+CATALOGUE = yaml.safe_load((Path(__file__).resolve().parents[3] / "group_vars/all/methods.yml")
+                           .read_text())["spark_method_catalogue"]
 
 
 def _models(host, key: str = "") -> list[str]:
@@ -109,6 +112,11 @@ def test_container_runs_with_host_ipc_network_and_mounts(host):
         assert f"/tmp/molecule-serve/cache/{sub}:{path}" in binds
     # the CUDA driver's JIT cache (~/.nv/ComputeCache) is the host's, sized for an image's PTX-only kernels
     assert "CUDA_CACHE_MAXSIZE=4294967296" in _inspect(host, "mtp")["Config"]["Env"]
+    # the INT8 LM head is the default (group_vars/all/main.yml); patch 0002 caches its autotuned tiles in
+    # the persisted vllm cache
+    env = _inspect(host, "mtp")["Config"]["Env"]
+    assert "SPARKLLM_LM_HEAD_INT8=1" in env
+    assert "SPARKLLM_LM_HEAD_INT8_TUNE_DIR=/root/.cache/vllm/sparkllm-lm-head-int8" in env
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -450,7 +458,8 @@ def _spec(host, method: str) -> dict:
 
 def test_dflash_alone_gets_the_hf_token_file(host, hub):
     """The drafter download needs the token: dflash's container gets the 0600 file, never the value."""
-    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url})
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url,
+                                               "spec_dflash_drafter_revision": "main"})
     assert res.rc == 0, res.output[-3000:]
     assert TOKEN not in res.output
     _assert_only_active(host, "dflash")
@@ -474,18 +483,31 @@ def test_dflash_drafter_is_served_at_the_commit_locked_at_first_deploy(host, hub
     assert hub.requests[0][1] == f"Bearer {TOKEN}"  # the token reached the Hub, not the output
     hub.sha, seen = "b" * 40, len(hub.requests)
     res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url,
+                                               "spec_dflash_drafter_revision": "main",
                                                "spark_stage_force": True})
     assert res.rc == 0, res.output[-3000:]
     assert len(hub.requests) == seen, "a locked drafter asked the Hub again"
     assert _spec(host, "dflash")["revision"] == first
     before = _inspect(host, "dflash")["Id"]
     res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url,
+                                               "spec_dflash_drafter_revision": "main",
                                                "serve_drafter_update": True})
     assert res.rc == 0, res.output[-3000:]
     assert _spec(host, "dflash")["revision"] == "b" * 40
     assert _fact(host)["drafter_revisions"] == {f"{DRAFTER}@main": "b" * 40}
     assert _inspect(host, "dflash")["Id"] != before, "the new drafter commit did not restart the server"
     assert TOKEN not in res.output
+
+
+def test_dflash_drafter_defaults_to_the_catalogues_commit_without_asking_the_hub(host, hub):
+    """issue 44: left at "", the knob serves the commit methods.yml pins (the April weights)."""
+    pinned = CATALOGUE["dflash"]["speculative_config"]["revision"]
+    seen = len(hub.requests)
+    res = run_playbook("playbooks/serve.yml", {"spec_method": "dflash", "serve_hub_endpoint": hub.url})
+    assert res.rc == 0, res.output[-3000:]
+    assert len(hub.requests) == seen, "a pinned drafter asked the Hub"
+    assert _spec(host, "dflash")["revision"] == pinned
+    assert _fact(host)["drafter_revisions"][f"{DRAFTER}@{pinned}"] == pinned
 
 
 def test_an_unknown_drafter_repo_fails_naming_the_revision_knob(host, hub):
