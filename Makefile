@@ -20,7 +20,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image lock \
         bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash gpu-dflash-graph \
-        gpu-shared-experts gpu-proxy tune clean
+        gpu-shared-experts gpu-proxy gpu-head-records tune clean
 
 # --- set-up ----------------------------------------------------------------
 $(BIN)/.stamp: requirements.txt
@@ -114,3 +114,8 @@ gpu-proxy:
 # reservation against total x utilization (tests/gpu/shared_experts.py); 0.20.0 or 0.26.0
 gpu-shared-experts:
 	"$$PYTHON" scripts/make_run.py gpu-shared-experts
+
+# the INT8 LM head served with the real 248320 x 3072 head (BF16 beside it, decode tok/s of both) and the
+# records profile timed through a proxy (tests/gpu/head_records.py); vLLM 0.20.0, eager, one call
+gpu-head-records:
+	"$$PYTHON" scripts/make_run.py gpu-head-records

@@ -32,6 +32,24 @@ parts are filled while the INT4 checkpoint is still downloading (scripts/model_j
 as soon as the fetch tool has verified it), so the final merge only links them. <out>.parts is removed
 once the output is in place.
 
+Inputs first: the INT4 index (model.safetensors.index.json) must name only shards that are present, and
+every tensor must be in the shard it names (a deleted or never-downloaded shard is refused, exit 1);
+FP8 tensors must be F8_E4M3 (an F8_E5M2 weight is refused by name, exit 1). Then the space: the bytes
+the merge will write (the shards not merged yet in <out>.parts, the side files, each rounded up to the
+filesystem's block) against the free space on --out's filesystem; too little is refused (exit 2) with
+both sizes, before anything is written. A disk that fills up anyway is named with its path and sizes.
+
+One merge per --out at a time: a merge holds an flock on .<out>.lock beside --out (holding its pid)
+from start to end; a second merge is refused (exit 2) naming the first one's pid.
+
+A complete output is a directory with this tool's owner mark (.sparkllm-owner.json), the index and the
+merge record whose every listed file has its recorded size and header digest (the record is written
+last). A complete output is never deleted before a newer complete one is in place: when --out is
+missing (a kill between the final `--out -> <out>.old-PID` and `<out>.tmp-PID -> --out`), the newest
+complete <out>.tmp-* / <out>.old-* is renamed back to --out first, whatever the rest of the run does;
+other leftovers of dead merges are removed only once the inputs and the space were checked (incomplete
+ones) or a complete output is in place (complete ones).
+
 --out is ours or untouched: it may be new, empty, or an earlier output of this tool (which is replaced);
 a non-empty directory of anyone else, an existing file, and a directory equal to, inside or holding
 --int4 or --fp8 are refused before anything is written.
@@ -39,14 +57,16 @@ a non-empty directory of anyone else, an existing file, and a directory equal to
 An --fp8 directory that contributes no FP8 weight (e.g. a second copy of the INT4 checkpoint) is
 refused with exit 1, dry run included: the output would be a plain INT4 model under a hybrid's name.
 
-Exit codes: 0 ok (or no-op), 1 the merge failed (invalid input checkpoint, an FP8 input that
-contributes nothing, I/O failure),
-2 usage error (bad arguments, missing input directory, an --out the tool may not write).
+Exit codes: 0 ok (or no-op), 1 the merge failed (invalid input checkpoint: a missing shard, a tensor
+not where the index says, an FP8 weight not F8_E4M3; an FP8 input that contributes nothing; I/O failure,
+a disk that fills up), 2 usage error (bad arguments, missing input directory, an --out the tool may not
+write, too little free space for it, another merge writing it).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import hashlib
 import json
@@ -75,7 +95,7 @@ from sparkllm.checkpoint import (
     read_source_record,
 )
 from sparkllm.cli import UsageError, doc_parser, run_main
-from sparkllm.fileio import atomic_path, fsync_dir, write_json_atomic
+from sparkllm.fileio import atomic_path, existing_ancestor, free_bytes, fsync_dir, write_json_atomic
 from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool, write_marker
 from sparkllm.safetensors_io import (
     INDEX_NAME,
@@ -94,6 +114,11 @@ TOOL = "hybrid_merge"
 PARTS_RECORD = ".sparkllm_parts.json"
 PARTS_LOCK = ".lock"
 PART_FORMAT = "hybrid_merge-part/1"
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSpaceError(CheckpointError):
+    """The filesystem filled up during the merge; the message names the path, the sizes and the fix."""
 
 
 @dataclass
@@ -124,17 +149,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def remove_stale_temps(out: Path) -> list[Path]:
-    """Remove <out>.tmp-<pid> / <out>.old-<pid> siblings of ours whose process is gone.
+def leftovers(out: Path) -> list[Path]:
+    """<out>.tmp-<pid> / <out>.old-<pid> directories of ours whose process is gone.
 
     Only directories that carry this tool's mark (or its merge record) are ours; anything else with
     such a name is left alone.
     """
-    removed: list[Path] = []
     if not out.parent.is_dir():
-        return removed
-    leftovers = [*out.parent.glob(f"{out.name}.tmp-*"), *out.parent.glob(f"{out.name}.old-*")]
-    for p in leftovers:
+        return []
+    found = []
+    for p in [*out.parent.glob(f"{out.name}.tmp-*"), *out.parent.glob(f"{out.name}.old-*")]:
         pid_text = p.name.rsplit("-", 1)[-1]
         if pid_text.isdigit() and int(pid_text) != os.getpid() and _pid_alive(int(pid_text)):
             continue
@@ -142,9 +166,90 @@ def remove_stale_temps(out: Path) -> list[Path]:
             continue
         if marker_tool(p) != TOOL and not (p / RECORD_NAME).exists():
             continue
+        found.append(p)
+    return found
+
+
+def remove_stale_temps(out: Path, keep_complete: bool = False) -> list[Path]:
+    """Remove the leftovers of dead merges; with ``keep_complete`` only the incomplete ones (call it
+    without only once a complete output is in place)."""
+    removed: list[Path] = []
+    for p in leftovers(out):
+        if keep_complete and complete_output(p):
+            continue
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
+
+
+def complete_output(d: Path) -> bool:
+    """A finished output of this tool: owner mark, index, and the merge record (written last) whose
+    every listed file is there with its recorded size and header digest."""
+    return marker_tool(d) == TOOL and (d / INDEX_NAME).is_file() and output_is_current(d, None)
+
+
+def recover_output(out: Path) -> Path | None:
+    """When --out is missing, rename the newest complete leftover back to it (a kill between the two
+    final renames leaves the new output as <out>.tmp-PID and the earlier one as <out>.old-PID)."""
+    if out.exists() or out.is_symlink():
+        return None
+
+    def created(p: Path) -> tuple[float, bool]:
+        try:
+            when = float(json.loads((p / RECORD_NAME).read_text(encoding="utf-8")).get("created", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            when = 0.0
+        return when, ".tmp-" in p.name  # the temp was about to replace the old one
+
+    found = sorted((p for p in leftovers(out) if complete_output(p)), key=created)
+    if not found:
+        return None
+    os.replace(found[-1], out)
+    fsync_dir(out.parent)
+    return found[-1]
+
+
+def lock_path(out: Path) -> Path:
+    return out.with_name(f".{out.name}.lock")
+
+
+class OutLock:
+    """One merge per --out: an exclusive flock on .<out>.lock (beside --out, holding the pid), refused
+    at once when another merge holds it; the file is removed when the merge ends."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.path = lock_path(out)
+        self.fd: int | None = None
+
+    def __enter__(self) -> OutLock:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        while self.fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise UsageError(f"{self.out}: another merge is writing {self.out} (pid {pid}); wait for it "
+                                 f"to end or stop it, then rerun (nothing was touched)") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False  # the holder removed the file as we took it: take the new one
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self.fd = fd
+            else:
+                os.close(fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -163,16 +268,17 @@ def fingerprint(int4: Path, fp8: Path) -> str:
     )
 
 
-def output_is_current(out: Path, digest: str) -> bool:
-    """True when ``out`` was produced from inputs with this fingerprint and still looks intact."""
+def output_is_current(out: Path, digest: str | None) -> bool:
+    """True when ``out`` was produced from inputs with this fingerprint (any, when None) and still
+    looks intact."""
     try:
         record = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if not isinstance(record, dict) or record.get("input_fingerprint") != digest:
+    if not isinstance(record, dict) or digest is not None and record.get("input_fingerprint") != digest:
         return False
     files = record.get("outputs")
-    if not isinstance(files, dict):
+    if not isinstance(files, dict) or not files:
         return False
     for name, meta in files.items():
         p = out / name
@@ -186,8 +292,21 @@ def output_is_current(out: Path, digest: str) -> bool:
     return True
 
 
+def shard_header(shard: OutShard) -> bytes:
+    return encode_header(TensorSpec(t.name, t.dtype, t.shape) for t in shard.tensors)
+
+
+def no_space(exc: OSError, where: Path, need: int, out: Path) -> NoSpaceError:
+    """The one message of a disk that filled up during the merge: the path, the sizes, the fix."""
+    return NoSpaceError(
+        f"{where}: {exc.strerror or os.strerror(exc.errno or errno.ENOSPC)} [Errno {exc.errno}] while "
+        f"writing the merge; writing it needs {need} bytes and {free_bytes(where)} bytes free now on that "
+        f"filesystem: free space there (or choose --out on a filesystem with room) and rerun; {out} was "
+        f"left as it was, shards already merged in {parts_dir(out)} are reused")
+
+
 def write_shard(shard: OutShard, path: Path) -> dict[str, object]:
-    header = encode_header(TensorSpec(t.name, t.dtype, t.shape) for t in shard.tensors)
+    header = shard_header(shard)
     with open(path, "wb") as dst:
         dst.write(header)
         dst.flush()
@@ -268,6 +387,15 @@ class PartStore:
             os.close(self._fd)  # releases the lock
             self._fd = None
 
+    def peek(self) -> PartStore:
+        """Read the record without taking the lock or creating anything (to estimate what is left)."""
+        try:
+            doc = json.loads((self.dir / PARTS_RECORD).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = {}
+        self.record = doc if isinstance(doc, dict) else {}
+        return self
+
     def current(self, shard: OutShard, identity: str | None = None) -> bool:
         entry = self.record.get(shard.name)
         path = self.dir / shard.name
@@ -284,8 +412,15 @@ class PartStore:
         identity = part_identity(shard)
         if self.current(shard, identity):
             return False
-        with atomic_path(self.dir / shard.name, "part") as tmp:
-            meta = write_shard(shard, tmp)
+        try:
+            with atomic_path(self.dir / shard.name, "part") as tmp:
+                meta = write_shard(shard, tmp)
+        except OSError as exc:
+            if exc.errno in NO_SPACE:
+                need = len(shard_header(shard)) + shard.data_bytes
+                raise no_space(exc, self.dir / shard.name, need, self.dir.with_name(
+                    self.dir.name.removesuffix(".parts"))) from None
+            raise
         self.record[shard.name] = {"input": identity, **meta, "merged_at": time.time()}
         write_json_atomic(self.dir / PARTS_RECORD, self.record)
         return True
@@ -316,14 +451,48 @@ def place_part(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def copy_side_files(int4: Path, tmp: Path, plan: MergePlan) -> None:
+def side_files(int4: Path, plan: MergePlan) -> list[Path]:
+    """The INT4 directory's files and folders the output takes as they are (configs, tokenizer)."""
     shard_names = {s.name for s in plan.shards}
-    for p in sorted(int4.iterdir()):
-        if p.name in shard_names or p.name == INDEX_NAME or p.suffix == ".safetensors":
-            continue
+    return [
+        p for p in sorted(int4.iterdir())
+        if not (p.name in shard_names or p.name == INDEX_NAME or p.suffix == ".safetensors")
         # our own bookkeeping (merge record, source record, mirror manifest) and hidden files stay behind
-        if p.name in (RECORD_NAME, SOURCE_RECORD, MANIFEST_NAME) or p.name.startswith("."):
-            continue
+        and not (p.name in (RECORD_NAME, SOURCE_RECORD, MANIFEST_NAME) or p.name.startswith("."))
+    ]
+
+
+def bytes_needed(plan: MergePlan, int4: Path, out: Path) -> int:
+    """What the merge will write beside --out: the parts not merged yet for these inputs, the side files,
+    the index, record and marker, each file rounded up to the filesystem's block (statvfs f_frsize).
+    The parts are hard-linked into the output, so a part already merged costs nothing more."""
+    block = max(1, os.statvfs(existing_ancestor(out.parent)).f_frsize)
+
+    def on_disk(n: int) -> int:
+        return -(-n // block) * block + block  # whole blocks, and one for the inode's directory entry
+
+    parts = PartStore(out).peek()
+    need = sum(on_disk(len(shard_header(s)) + s.data_bytes) for s in plan.shards if not parts.current(s))
+    for p in side_files(int4, plan):
+        files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+        need += sum(on_disk(f.stat().st_size) for f in files)
+    index = len(json.dumps(plan_index(plan), indent=2))
+    return need + 2 * on_disk(index) + 3 * block  # index, record (smaller than it), marker, config rewrite
+
+
+def check_space(plan: MergePlan, int4: Path, out: Path) -> None:
+    """Refuse (exit 2) before anything is written when --out's filesystem lacks the room."""
+    need, free = bytes_needed(plan, int4, out), free_bytes(out.parent)
+    if need > free:
+        gib = 1 << 30
+        raise UsageError(
+            f"{out}: the merge needs {need} bytes ({need / gib:.1f} GiB) on the filesystem of "
+            f"{existing_ancestor(out.parent)}, which has {free} bytes free ({free / gib:.1f} GiB): free "
+            f"space there or choose --out on a filesystem with room, then rerun (nothing was written)")
+
+
+def copy_side_files(int4: Path, tmp: Path, plan: MergePlan) -> None:
+    for p in side_files(int4, plan):
         if p.is_dir():
             shutil.copytree(p, tmp / p.name)
         elif p.is_file():
@@ -386,8 +555,8 @@ def execute(
 ) -> None:
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         write_marker(tmp, TOOL)
         outputs: dict[str, object] = {}
         t0 = time.monotonic()
@@ -418,9 +587,21 @@ def execute(
         old = out.with_name(f"{out.name}.old-{os.getpid()}")
         if out.exists():
             os.replace(out, old)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old.exists() and not out.exists():
+                os.replace(old, out)  # the earlier output stays until a new one is in place
+            raise
         fsync_dir(out.parent)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in NO_SPACE:
+            side = sum(f.stat().st_size for p in side_files(int4, plan)
+                       for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+            raise no_space(exc, tmp, side, out) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -474,28 +655,35 @@ def run(
         if not d.is_dir():
             what = "is not a directory" if d.exists() else "directory does not exist"
             raise UsageError(f"{d}: {flag} {what}; pass the checkpoint directory")
+    inputs = (("--int4", int4), ("--fp8", fp8))
     try:
-        check_output_dir(out, TOOL, inputs=(("--int4", int4), ("--fp8", fp8)), legacy=(RECORD_NAME,))
+        check_output_dir(out, TOOL, inputs=inputs, legacy=(RECORD_NAME,))
     except OutputRefused as exc:
         raise UsageError(str(exc)) from None
     start = time.monotonic()
-    if not dry_run:
-        remove_stale_temps(out)
-    digest = fingerprint(int4, fp8)
-    if not dry_run and output_is_current(out, digest):
-        if parts_dir(out).is_dir():
-            with PartStore(out, inputs=(("--int4", int4), ("--fp8", fp8))) as parts:
-                parts.remove()
-        rec = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
-        return MergeResult(False, out, rec.get("summary", {}), time.monotonic() - start), None
-    plan = plan_merge(int4, fp8)
-    refuse_empty_fp8(plan, fp8)
     if dry_run:
+        plan = plan_merge(int4, fp8)
+        refuse_empty_fp8(plan, fp8)
         return None, plan
-    timings = {"plan": time.monotonic() - start}
-    with PartStore(out, inputs=(("--int4", int4), ("--fp8", fp8))) as parts:
-        execute(plan, int4, fp8, out, digest, timings, parts)
-        parts.remove()  # the output holds every shard now (hard links)
+    with OutLock(out):
+        recover_output(out)  # a complete output left by a kill between the two renames comes back first
+        plan = plan_merge(int4, fp8)  # inputs checked (index, shards, dtypes) before any output is touched
+        refuse_empty_fp8(plan, fp8)
+        digest = fingerprint(int4, fp8)
+        if output_is_current(out, digest):
+            if parts_dir(out).is_dir():
+                with PartStore(out, inputs=inputs) as parts:
+                    parts.remove()
+            remove_stale_temps(out)
+            rec = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
+            return MergeResult(False, out, rec.get("summary", {}), time.monotonic() - start), None
+        remove_stale_temps(out, keep_complete=True)
+        check_space(plan, int4, out)
+        timings = {"plan": time.monotonic() - start}
+        with PartStore(out, inputs=inputs) as parts:
+            execute(plan, int4, fp8, out, digest, timings, parts)
+            parts.remove()  # the output holds every shard now (hard links)
+        remove_stale_temps(out)  # a complete output is in place: earlier ones were replaced
     return MergeResult(True, out, plan.summary(), time.monotonic() - start, timings), plan
 
 

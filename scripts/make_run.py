@@ -2,7 +2,7 @@
 """The Makefile's runner: build a target's argv from make's variables, without a shell.
 
 usage: make_run.py TARGET     (TARGET: deploy, check, tune, gpu-e2e, gpu-first-start, gpu-dflash,
-                               gpu-dflash-graph, gpu-shared-experts, gpu-proxy)
+                               gpu-dflash-graph, gpu-shared-experts, gpu-proxy, gpu-head-records)
 
 The Makefile exports its user variables (SPEC_METHOD, INVENTORY, ARGS) and calls this script; the
 values reach the program as argv items and never pass through a shell, so `;`, `$(...)`, quotes or
@@ -46,6 +46,7 @@ GPU_TARGETS = {
                          ("--cases", "base,dflash-graph", "--no-bench")),
     "gpu-shared-experts": ("tests/gpu/shared_experts.py", "results/gpu-shared-experts", ()),
     "gpu-proxy": ("tests/gpu/proxy_real.py", "results/gpu-proxy", ()),
+    "gpu-head-records": ("tests/gpu/head_records.py", "results/gpu-head-records", ()),
 }
 TARGETS = ("deploy", "check", "tune", *GPU_TARGETS)
 

@@ -20,7 +20,8 @@ verified shard is merged: the model stage's hybrid_merge.py then only links the 
 
 When the last shard is merged and the INT4 checkpoint holds its MTP extra file, the job assembles
 the hybrid in merge_out (hybrid_merge.py: the parts linked together, index, config, record; temp
-directory + rename) and verifies it (verify_checkpoint --expect-mtp --expect-hybrid): the verified
+directory + rename) and verifies it (verify_checkpoint --expect-mtp --expect-hybrid, against the INT4
+and FP8 inputs' indexes and scales): the verified
 hybrid is ready seconds after the last byte. The model stage then finds it current (its merge is a
 no-op), runs the MTP index patch, verifies, writes the manifest and moves it into place. An assembly
 that fails or does not verify is removed and left to the model stage, which reports the problem.
@@ -264,7 +265,8 @@ def assemble(job: Job) -> None:
         return
     try:
         result, _ = merge_run(job.int4_dir, job.fp8_dir, job.merge_out)
-        report = verify_checkpoint(job.merge_out, expect_mtp=True, expect_hybrid=True)
+        report = verify_checkpoint(job.merge_out, expect_mtp=True, expect_hybrid=True,
+                                   int4_source=job.int4_dir, fp8_source=job.fp8_dir)
     except (CheckpointError, SafetensorsError, UsageError, OSError) as exc:
         job.assembly = f"not assembled: {exc} (the model stage merges again and reports it)"
         return

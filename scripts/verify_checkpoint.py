@@ -14,6 +14,12 @@ tool parsers make every chat request fail with HTTP 500 when tool calling is on)
 every FP8 weight's weight_scale_inv equals that of the FP8 checkpoint it was merged from (a scale 16x
 off passes every other check, and a tiny model serves it with nearly the same text).
 
+Against the inputs (a merged output's own index is rebuilt from what was written, so a shard missing from
+an input is invisible without them): with --int4-source DIR the output holds every tensor that the INT4
+checkpoint's index and its model_extra_tensors.safetensors name, plus only the scales of its FP8 weights
+(the tensor count and the names); with --fp8-source DIR every FP8 weight is held by that checkpoint with
+the same dtype and shape. The model role passes both (the checkpoints it merged from).
+
 Exit codes: 0 valid, 1 invalid (one line per problem on stdout, or JSON with --json), 2 usage error
 (bad arguments, DIR not a directory).
 """
@@ -39,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-source", type=Path, metavar="DIR",
                    help="FP8 checkpoint the hybrid came from: each weight_scale_inv must equal it "
                         "(default: unchecked)")
+    p.add_argument("--int4-source", type=Path, metavar="DIR",
+                   help="INT4 checkpoint the hybrid came from: the output must hold every tensor its index "
+                        "names (default: unchecked)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
     return p
 
@@ -54,8 +63,12 @@ def verify(a: argparse.Namespace) -> int:
     if a.fp8_source is not None and not a.fp8_source.is_dir():
         raise UsageError(f"--fp8-source {a.fp8_source}: not a directory; pass the FP8 checkpoint the "
                          "hybrid was merged from")
+    if a.int4_source is not None and not a.int4_source.is_dir():
+        raise UsageError(f"--int4-source {a.int4_source}: not a directory; pass the INT4 checkpoint the "
+                         "hybrid was merged from")
     r = verify_checkpoint(a.dir, expect_mtp=a.expect_mtp, expect_hybrid=a.expect_hybrid,
-                          expect_tool_tokens=a.expect_tool_tokens, fp8_source=a.fp8_source)
+                          expect_tool_tokens=a.expect_tool_tokens, fp8_source=a.fp8_source,
+                          int4_source=a.int4_source)
     if a.json:
         print(
             json.dumps(

@@ -13,9 +13,10 @@ Subcommands
 ``ceiling``       (stdlib) bytes read per generated token of a checkpoint directory and the decode
                   ceiling they allow (``sparkllm.bench_ceiling``); ``run --model-dir`` stores it per run.
 
-Exit codes: 0 success; 1 the work failed (``run``: nothing answers at ``--base-url``, or the run is
-invalid: it is still written and stored, marked invalid, and one line on stderr says why, also with
-``--quiet``; ``lookup``: no such run); 2 usage error (bad option values, a malformed ``--base-url``,
+Exit codes: 0 success; 1 the work failed (``run``: nothing answers at ``--base-url``, the run is
+invalid, or the engine stalled for ``--stall-give-up`` seconds and the run was given up: it is still written
+and stored, marked invalid (partial), and one line on stderr says why, also with ``--quiet``; ``lookup``: no
+such run); 2 usage error (bad option values, a malformed ``--base-url``,
 missing files named on the command line, an output the tool may not or cannot write: checked before
 anything is measured); 130 after Ctrl-C (SIGINT), 143 after SIGTERM (sparkllm/cli.py): a measured phase
 so stopped is still written and stored, marked invalid ("interrupted by SIGINT after N of M requests"),
@@ -62,6 +63,7 @@ from sparkllm.bench_prompts import fetch_prompts, load_prompts
 from sparkllm.bench_rate import parse_goodput, rate_list
 from sparkllm.bench_records import PROFILE_DEFAULTS, PROFILES, ProfileDefaults
 from sparkllm.bench_runner import RunOptions, execute_run
+from sparkllm.bench_stall import DEFAULT_GIVE_UP_S, DEFAULT_STALL_S
 from sparkllm.bench_store import (
     REQUEST_COLUMNS,
     RUN_COLUMNS,
@@ -265,6 +267,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise UsageError("--agent-context-words must be >= 0 (0: no background), e.g. 3000")
     if not 0 < a.depth_tolerance < 0.5:
         raise UsageError("--depth-tolerance must be a fraction between 0 and 0.5, e.g. 0.05")
+    if not 0 < a.stall_timeout <= a.stall_give_up < float("inf"):
+        raise UsageError(f"--stall-timeout {a.stall_timeout:g} / --stall-give-up {a.stall_give_up:g}: need "
+                         f"0 < stall timeout <= give-up, e.g. --stall-timeout {DEFAULT_STALL_S:g} "
+                         f"--stall-give-up {DEFAULT_GIVE_UP_S:g}")
     if not 0 <= a.temperature < float("inf"):  # vLLM refuses a negative one (vllm/sampling_params.py:452)
         raise UsageError(f"--temperature {a.temperature:g}: must be 0 (greedy) or more, e.g. --temperature 0")
     base_url = check_base_url(a.base_url)
@@ -302,7 +308,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                                   progress=not a.quiet, depth=depth, depth_tolerance=a.depth_tolerance,
                                   depth_text=depth_text,
                                   request_rate=rate, num_requests=num_requests, duration_s=duration,
-                                  arrival_seed=a.arrival_seed, goodput=targets)
+                                  arrival_seed=a.arrival_seed, goodput=targets,
+                                  stall_timeout=a.stall_timeout, stall_give_up=a.stall_give_up)
                 rc = _one_run(opts, ceiling)
                 if rc > EXIT_USAGE:  # a signal: its partial run is kept; the runs after it are not made
                     return rc
@@ -344,6 +351,8 @@ def _one_run(opts: RunOptions, ceiling: dict[str, Any] | None = None) -> int:
         print(f"bench.py run: {doc['problems'][0]}: those are written to {path} and stored, marked partial "
               "and invalid", file=sys.stderr)
         return EXIT_SIGNAL[signal.Signals[stop]]
+    if (doc.get("stall") or {}).get("gave_up"):  # one line; the runs after it are not made
+        raise WorkFailed(f"{doc['problems'][0]}; written to {path} and stored, marked partial and invalid")
     for w in doc.get("warnings") or []:
         print(f"bench.py run: warning: run {doc['run_id']}: {w}", file=sys.stderr)
     if not doc["valid"]:
@@ -534,6 +543,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: off for decode and agent, the template's default for records)")
     r.add_argument("--agent-context-words", type=int, default=3000,
                    help="agent profile: words of background in each conversation's first turn (~4k tokens)")
+    r.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="S",
+                   help="an engine that makes no progress (no token, no rise of "
+                        "vllm:generation_tokens_total) for S seconds with a request in flight makes the run "
+                        "invalid; a prefill may take 3x the longest first-token wait seen "
+                        f"(default {DEFAULT_STALL_S:g}: ~400 tokens at the slowest public decode rate of "
+                        "this model on a Spark, docs/benchmarks.md)")
+    r.add_argument("--stall-give-up", type=float, default=DEFAULT_GIVE_UP_S, metavar="S",
+                   help="a stall this long ends the run: what was measured is written and stored as partial "
+                        f"and invalid, one line says so, exit 1 (default {DEFAULT_GIVE_UP_S:g})")
     r.add_argument("--quiet", action="store_true",
                    help="no progress line (the summary, the written path and, for a failed run, the one "
                         "line saying why are still printed)")

@@ -19,6 +19,7 @@ class Endpoint:
     base_url: str
     api_key: str | None = None
     timeout: float = 600.0
+    watch: Any = None  # a measured phase's sparkllm.bench_stall.StallWatch: told of every request and token
 
     def _conn(self) -> http.client.HTTPConnection:
         u = urllib.parse.urlsplit(self.base_url)
@@ -221,6 +222,8 @@ def whole_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> 
     """Send one non-streamed request and time it whole (send to the response's last byte), as the public
     records' harnesses do; fills res.output_tokens/text/t_end; never raises for HTTP errors."""
     conn = ep._conn()
+    if ep.watch is not None and not ep.watch.begin(res, conn, streamed=False):
+        return  # the run gave up on a stalled engine: not sent
     try:
         body = json.dumps(payload).encode()
         res.t0 = time.monotonic()
@@ -248,6 +251,8 @@ def whole_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> 
         res.error = f"{type(exc).__name__}: {exc}"
     finally:
         conn.close()
+        if ep.watch is not None:
+            ep.watch.end(res)
 
 
 def send_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> None:
@@ -258,6 +263,9 @@ def send_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> N
 def stream_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> None:
     """Send one streaming request, filling res.token_times/output_tokens; never raises for HTTP errors."""
     conn = ep._conn()
+    watch = ep.watch
+    if watch is not None and not watch.begin(res, conn, streamed=True):
+        return  # the run gave up on a stalled engine: not sent
     try:
         body = json.dumps(payload).encode()
         res.t0 = time.monotonic()
@@ -269,16 +277,18 @@ def stream_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) ->
                 raise UnsupportedOption(text)
             res.error = f"HTTP {r.status}: {text}"
             return
-        _consume_sse(r, res)
+        _consume_sse(r, res, watch.token if watch is not None else None)
     except UnsupportedOption:
         raise
     except (OSError, http.client.HTTPException, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     finally:
         conn.close()
+        if watch is not None:
+            watch.end(res)
 
 
-def _consume_sse(r: http.client.HTTPResponse, res: RequestResult) -> None:
+def _consume_sse(r: http.client.HTTPResponse, res: RequestResult, on_token: Any = None) -> None:
     last_count = 0
     final_usage: int | None = None
     content_times: list[float] = []
@@ -312,11 +322,15 @@ def _consume_sse(r: http.client.HTTPResponse, res: RequestResult) -> None:
                 if count > last_count:
                     usage_times.append(t)
                     last_count = count
+                    if on_token:
+                        on_token(res)
             final_usage = count
             if usage.get("prompt_tokens") is not None:
                 res.prompt_tokens = int(usage["prompt_tokens"])
         if has_choices and _chunk_has_content(obj):
             content_times.append(t)
+            if on_token:
+                on_token(res)
             parts.append(_chunk_text(obj))
             answer.extend(str((ch.get("delta") or {}).get("content") or "") for ch in obj["choices"])
     if not done:

@@ -58,6 +58,7 @@ from sparkllm.bench_prometheus import (
 from sparkllm.bench_prompts import Prompt, load_prompts
 from sparkllm.bench_rate import arrivals, goodput, meets, run_open_loop
 from sparkllm.bench_records import PROFILES
+from sparkllm.bench_stall import DEFAULT_GIVE_UP_S, DEFAULT_STALL_S, StallWatch, outlier_warning, outliers
 from sparkllm.bench_stats import describe, fit_iid_acceptance
 from sparkllm.bench_telemetry import Telemetry
 from sparkllm.cli import Interrupted, signal_exit
@@ -97,6 +98,8 @@ class RunOptions:
     profile: str = "decode"
     warmup_pass: bool = False  # discard a whole first pass over the prompts instead of `warmup` requests
     agent_context_words: int = 3000  # agent: words of background in each conversation's first turn
+    stall_timeout: float = DEFAULT_STALL_S  # sparkllm.bench_stall: no progress this long: the run is invalid
+    stall_give_up: float = DEFAULT_GIVE_UP_S  # ... this long: the run ends, written as partial and invalid
 
 
 class Progress:
@@ -157,6 +160,8 @@ class RunningSampler(threading.Thread):
             if not snap.ok:
                 continue
             self.samples += 1
+            if self.ep.watch is not None:  # a whole request's one sign of progress (sparkllm.bench_stall)
+                self.ep.watch.counter_reading(snap.total(M_GEN))
             running = snap.total(M_RUNNING)
             if running is not None:
                 self.max_running = running if self.max_running is None else max(self.max_running, running)
@@ -483,7 +488,7 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
     continuous = (_detect_continuous(ep, opts.model, prompts[0], opts.sampling, salted=salted)
                   if opts.sampling.stream else False)
     if agent and opts.warmup_pass:
-        run_agent(ep, opts.model, prompts, opts.sampling, continuous, 1)
+        warm = run_agent(ep, opts.model, prompts, opts.sampling, continuous, 1)
     else:
         n_warm = len(prompts) if opts.warmup_pass else opts.warmup
         warm = [RequestResult(-1 - i, prompts[i % len(prompts)].id, prompts[i % len(prompts)].category, -1)
@@ -497,6 +502,9 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
              else sum(len(b) for b in blocks))
     prog = Progress(total, opts.label, opts.progress)
     snap0 = _quiet_snapshot(ep)
+    watch = StallWatch(opts.stall_timeout, opts.stall_give_up)
+    watch.saw(warm)  # the warm-up's first-token waits: a long prefill is not a stall
+    ep.watch = watch.start()
     sampler = RunningSampler(ep, opts.sample_interval, snap0)
     sampler.start()
     telemetry = Telemetry(opts.telemetry_interval, opts.nvidia_smi)
@@ -534,18 +542,26 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         kept = {id(r) for r in results}
         results.extend(w for w in work if (w.ok or w.error) and id(w) not in kept)
     wall = time.monotonic() - t_start
+    watch.stop()
+    ep.watch = None
+    if watch.gave_up:  # the requests cut off or never sent are not measured
+        results = [r for r in results if id(r) not in watch.unmeasured]
     prog.close()
     sampler.stop_evt.set()
     sampler.join()
     telemetry.stop()
     client_tokens = sum(r.output_tokens or 0 for r in results if r.ok)
     answered = sum(1 for r in results if r.ok)
-    snap1 = (MetricsSnapshot({}, time.monotonic(), ok=False) if interrupted  # no server figures then
+    snap1 = (MetricsSnapshot({}, time.monotonic(), ok=False) if interrupted or watch.gave_up  # none then
              else _settled_snapshot(ep, client_tokens, snap0, answered) if len(blocks) == 1 else prev)
     spec_all = spec_metrics(snap0, snap1, _k_hint(opts.meta))
     errors = sum(1 for r in results if not r.ok)
     bound = rate_info.get("max_in_flight", 0) if opts.request_rate else opts.concurrency
-    problems = validity(errors, client_tokens, spec_all, snap0, snap1, sampler, bound, extra)
+    problems = validity(errors, client_tokens, spec_all, snap0, snap1, sampler, bound,
+                        extra + watch.problems())
+    if watch.gave_up:
+        problems = [watch.gave_up_line(len(results), total),
+                    *([f"{errors} request(s) failed"] if errors else [])]
     if interrupted:
         problems = [f"interrupted by {interrupted} after {len(results)} of {total} requests",
                     *([f"{errors} request(s) failed"] if errors else [])]
@@ -571,6 +587,9 @@ def execute_run(opts: RunOptions) -> dict[str, Any]:
         depth_meta["outside_tolerance"] = len(off)
     doc["telemetry"] = telemetry.summary(client_tokens)
     doc["warnings"] = list(doc["telemetry"]["warnings"])
+    doc["stall"] = watch.summary()
+    doc["stall"]["outliers"] = [] if opts.request_rate else outliers(results)
+    doc["warnings"].extend(outlier_warning(o) for o in doc["stall"]["outliers"])
     if depth_meta and depth_meta["outside_tolerance"]:
         doc["warnings"].append(f"{depth_meta['outside_tolerance']} request(s) outside the depth tolerance")
     doc["summary"]["prefill_tok_s"] = describe(r.prefill_tok_s for r in results if r.ok)

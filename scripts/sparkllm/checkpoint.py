@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .checkpoint_inputs import FP8_DTYPE, index_problems, other_fp8_types, output_problems
 from .fileio import place_atomic, sha256_file, write_json_atomic
 from .outdir import MARKER as OWNER_MARKER
 from .outdir import OutputRefused, made_by_toolkit
@@ -33,7 +34,6 @@ from .safetensors_io import (
 
 EXTRA_FILE = "model_extra_tensors.safetensors"
 MTP_PREFIX = "mtp."
-FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = ".weight_scale_inv"
 SOURCE_RECORD = ".sparkllm_source.json"
 MERGE_RECORD = ".sparkllm_merge.json"
@@ -204,6 +204,9 @@ def load_fp8_table(fp8_dir: Path) -> dict[str, TensorSource]:
     fp8_headers = load_headers(safetensors_files(fp8_dir))
     if not fp8_headers:
         raise CheckpointError(f"{fp8_dir}: no *.safetensors files found")
+    problems = index_problems(fp8_dir, fp8_headers, every_tensor_listed=False) + other_fp8_types(fp8_headers)
+    if problems:
+        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     return tensor_table(fp8_headers)
 
 
@@ -245,6 +248,10 @@ def plan_merge(int4_dir: Path, fp8_dir: Path, extra_file: str = EXTRA_FILE) -> M
     int4 = tensor_table(int4_headers)
     extra_path = int4_dir / extra_file
     mtp_header = load_headers([extra_path])[extra_file] if extra_path.is_file() else None
+    present = {**int4_headers, **({extra_file: mtp_header} if mtp_header else {})}
+    problems = index_problems(int4_dir, present, unlisted_ok=(extra_file,))  # before anything is written
+    if problems:
+        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     fp8 = load_fp8_table(fp8_dir)
 
     shards: list[OutShard] = []
@@ -641,7 +648,8 @@ def check_fp8_scales_against(table: Mapping[str, TensorSource], fp8_dir: Path,
             problems.append(f"{ours.file}: {ours.info.name} is {ours.info.dtype} {list(ours.info.shape)}, "
                             f"the FP8 source's {ref.info.dtype} {list(ref.info.shape)}")
             continue
-        pairs = [(a, b) for a, b in zip(_floats(ours), _floats(ref), strict=True) if a != b]
+        pairs = [(a, b) for a, b in zip(_floats(ours), _floats(ref), strict=True)
+                 if a != b and not (math.isnan(a) and math.isnan(b))]  # a NaN copied is the same NaN
         bad = [(a, b) for a, b in pairs if not math.isclose(a, b, rel_tol=rtol)]
         if bad:
             ratios = sorted(a / b for a, b in bad if b)
@@ -652,7 +660,8 @@ def check_fp8_scales_against(table: Mapping[str, TensorSource], fp8_dir: Path,
 
 
 def verify_checkpoint(directory: Path, expect_mtp: bool = False, expect_hybrid: bool = False,
-                      expect_tool_tokens: bool = False, fp8_source: Path | None = None) -> VerifyReport:
+                      expect_tool_tokens: bool = False, fp8_source: Path | None = None,
+                      int4_source: Path | None = None) -> VerifyReport:
     report = VerifyReport()
     if expect_tool_tokens:
         report.problems.extend(check_tool_tokens(directory))
@@ -724,11 +733,17 @@ def verify_checkpoint(directory: Path, expect_mtp: bool = False, expect_hybrid: 
         for name, src in sorted(table.items()):
             if src.info.dtype == FP8_DTYPE and is_expert(name):
                 report.problems.append(f"{src.file}: expert tensor {name} is FP8 (hybrid keeps experts INT4)")
+    fp8: dict[str, TensorInfo] | None = None
     if fp8_source is not None:
         try:
             report.problems.extend(check_fp8_scales_against(table, fp8_source))
+            fp8 = {n: s.info for n, s in load_fp8_table(fp8_source).items()}
         except (CheckpointError, OSError) as exc:
             report.problems.append(f"{fp8_source}: cannot read the FP8 source: {exc}")
+    if int4_source is not None or fp8 is not None:  # the output against its inputs' indexes
+        scales = {scale_name(n) for n, s in table.items() if s.info.dtype == FP8_DTYPE}
+        report.problems.extend(output_problems(directory, {n: s.info for n, s in table.items()}, scales,
+                                               int4_source, fp8, fp8_source, EXTRA_FILE))
     return report
 
 

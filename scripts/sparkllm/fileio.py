@@ -30,6 +30,20 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK) -> str:
     return h.hexdigest()
 
 
+def existing_ancestor(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself when it exists, else its nearest existing parent: where it would be made."""
+    p = Path(path)
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return p
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem that holds (or would hold) ``path``
+    (statvfs f_bavail x f_frsize, as ``df`` shows them)."""
+    return shutil.disk_usage(existing_ancestor(path)).free
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -51,6 +51,7 @@ check passed, 1 when one failed (each failure named), 2 usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -182,6 +183,20 @@ class Record:
         patched, applied = patched_vllm(work, Path(host["site"]), host["vllm"])
         self.summary["patches_applied"] = applied
         return patched, os.pathsep.join([str(patched), host["site"], os.environ.get("PYTHONPATH", "")])
+
+    @contextlib.contextmanager
+    def closing(self, servers: dict):
+        """However the block ends: an exception is a failed check (and raised again, the figures so far
+        kept), then the servers are stopped and summary.json written."""
+        try:
+            yield
+        except Exception as e:
+            self.check("run finished without an exception", False, f"{type(e).__name__}: {e}"[:600])
+            raise
+        finally:
+            for s in servers.values():
+                s.stop()
+            self.save()
 
     def host(self, prog: str) -> dict | None:
         """host_versions, with vLLM, torch, the GPU and today's date in the summary; None: not here."""
@@ -601,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                               else round(s.healthy_after, 1), "exit_code": s.exit_code,
                               "argv": s.argv} for k, s in servers.items()}
     log(f"server states: { {k: (v, servers[k].healthy_after) for k, v in states.items()} }")
-    try:
+    with rec.closing(servers):
         results, probe_errors = {}, {}
         for k, s in servers.items():
             if states[k] != "up":
@@ -775,13 +790,6 @@ def main(argv: list[str] | None = None) -> int:
                        str(a.out / "report"), "--no-charts"])
             check("report written", rep.returncode == 0 and (a.out / "report" / "report.md").exists(),
                   (rep.stdout + rep.stderr)[-400:])
-    except Exception as e:  # the figures so far still go to summary.json, with what stopped the run
-        check("run finished without an exception", False, f"{type(e).__name__}: {e}"[:600])
-        raise
-    finally:
-        for s in servers.values():
-            s.stop()
-        rec.save()
     print("E2E SUMMARY " + json.dumps({k: summary[k] for k in ("host", "figures", "failed", "seconds")}),
           flush=True)
     return 1 if failures else 0

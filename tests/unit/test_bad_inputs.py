@@ -116,8 +116,9 @@ class Row:
     own: tuple[str, ...] = ()
 
 
-def merge_args(out: Callable[[World], Path]) -> Callable[[World], list[str]]:
-    return lambda w: ["--int4", str(w.pair.int4_dir), "--fp8", str(w.pair.fp8_dir), "--out", str(out(w))]
+def merge_args(out: Callable[[World], Path],
+               int4: Callable[[World], Path] = lambda w: w.pair.int4_dir) -> Callable[[World], list[str]]:
+    return lambda w: ["--int4", str(int4(w)), "--fp8", str(w.pair.fp8_dir), "--out", str(out(w))]
 
 
 ROWS = [
@@ -137,6 +138,9 @@ ROWS = [
     Row("merge: --int4 missing", "hybrid_merge.py",
         lambda w: ["--int4", str(w.root / "nope"), "--fp8", str(w.pair.fp8_dir), "--out", str(w.root / "o")],
         2, lambda w: "--int4 directory does not exist"),
+    Row("merge: --int4 missing a shard its index names", "hybrid_merge.py",
+        merge_args(lambda w: w.root / "o", int4=lambda w: w.root / "int4-short"), 1,
+        lambda w: f"{w.root / 'int4-short' / INDEX_NAME}: names 1 shard(s) missing"),
     # fetch_checkpoint.py
     Row("fetch mirror: --dest a foreign non-empty directory", "fetch_checkpoint.py",
         lambda w: ["mirror", "--src", str(w.merged), "--dest", str(w.foreign)], 2,
@@ -179,6 +183,9 @@ ROWS = [
     # verify_checkpoint.py
     Row("verify: DIR missing", "verify_checkpoint.py", lambda w: [str(w.root / "nope")], 2,
         lambda w: "not a directory"),
+    Row("verify: --int4-source missing", "verify_checkpoint.py",
+        lambda w: [str(w.merged), "--int4-source", str(w.root / "nope")], 2,
+        lambda w: f"--int4-source {w.root / 'nope'}: not a directory"),
     # bench.py run
     Row("bench run: --base-url not a URL", "bench.py",
         lambda w: ["run", "--base-url", "not-a-url", "--model", "m", "--label", "x",
@@ -259,6 +266,9 @@ def prepare(w: World) -> None:
     doc = json.loads((plain / INDEX_NAME).read_text())
     doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if not k.startswith("mtp.")}
     (plain / INDEX_NAME).write_text(json.dumps(doc))
+    short = w.root / "int4-short"  # an INT4 checkpoint whose index names a shard that is gone
+    shutil.copytree(w.pair.int4_dir, short)
+    (short / "model-00002-of-00003.safetensors").unlink()
     store = w.root / "store"
     store.mkdir()
     bench_store.open_store(store).close()

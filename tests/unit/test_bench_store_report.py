@@ -40,7 +40,8 @@ def test_cli_run_writes_json_and_store(tmp_path: Path, capsys: pytest.CaptureFix
     assert m["method"] == "mtp" and "gpu" in m and m["started_utc"].endswith("Z")
     conn = sqlite3.connect(tmp_path / "out" / bench_store.STORE_NAME)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == bench_store.SCHEMA_VERSION
-    assert conn.execute("SELECT version FROM schema").fetchall() == [(1,), (2,), (3,)]
+    versions = [(v,) for v in range(1, bench_store.SCHEMA_VERSION + 1)]
+    assert conn.execute("SELECT version FROM schema").fetchall() == versions
     run = conn.execute("SELECT label, repetition, config_hash, valid FROM runs").fetchall()
     assert run == [("mtp-k2", 2, "abc", 1)]
     assert conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 4

@@ -1,6 +1,7 @@
 """Behaviour of the preflight stage on the systemd test host."""
 
 import json
+import re
 import time
 
 import pytest
@@ -23,6 +24,7 @@ def test_fact_records_what_was_found(host):
     assert fact["memtotal_gib"] > 0
     assert fact["model_filesystem"].startswith("/")
     assert fact["architecture"] == host.system_info.arch
+    assert [(b["host"], b["port"]) for b in fact["api_port"]["binds"]] == [("127.0.0.1", 8000)]
 
 
 def test_fact_is_root_owned_and_readable(host):
@@ -135,6 +137,35 @@ def test_too_little_memory_is_refused():
     res = run_playbook("site.yml", {"preflight_min_memory_gib": 100000}, tags="preflight")
     assert res.rc != 0
     assert "128 GB Spark" in res.output
+
+
+# A second listener on the API port (a port no other test uses, so the stage gate runs the stage): refused in
+# preflight naming the port, the process and the fix, before any later stage; the fact is not rewritten.
+HELD_PORT = 8123
+
+
+@pytest.fixture
+def held_port(host):
+    listing = host.check_output(
+        f"setsid -f python3 -m http.server {HELD_PORT} --bind 0.0.0.0 >/dev/null 2>&1; sleep 1; "
+        f"ss -Hltnp 'sport = :{HELD_PORT}'")
+    pids = re.findall(r'"python3",pid=(\d+)', listing)
+    assert pids, listing
+    yield HELD_PORT
+    host.run(f"kill {pids[0]}")
+
+
+def test_a_port_another_service_holds_is_refused_naming_it_and_the_fix(host, held_port):
+    before = host.file(FACT).mtime
+    res = run_playbook("site.yml", {"vllm_port": held_port}, tags="preflight")
+    assert res.rc == 2, res.output[-3000:]
+    out = " ".join(res.output.split())  # the callback folds a long message over lines
+    assert (f"Port {held_port} on 127.0.0.1 (vllm_port, where vLLM will listen) is held by another service: "
+            f"python3 (pid ") in out
+    assert f"listening on 0.0.0.0:{held_port}" in out
+    assert "set vllm_port to a free port" in out
+    assert "TASK [preflight : Refuse a port another service holds]" in out
+    assert host.file(FACT).mtime == before
 
 
 # ---- the driver: a fake nvidia-smi stands in for a GB10 with a given driver (the last tests: they
