@@ -9,8 +9,9 @@ repository, the role's own diff options), checks the same sha256 and keeps it in
 (``~/.cache/sparkllm/vllm-prs/pr<N>-<sha>.diff``): a second call finds it and fetches nothing.
 tests/contract/test_upstream_pr_diffs_contract.py applies it to the release's real source (the pinned sdist).
 
-tests/contract/setup_vllm_env.sh runs it as ``python tests/contract/vllm_prs.py`` (exit 0 done, 1 a fetch or
-hash failed, 2 usage). Needs git and github.com the first time.
+tests/contract/setup_vllm_env.sh runs it as ``python tests/contract/vllm_prs.py`` (exit 0 done, 1 a hash
+failed, 2 usage; github.com unreachable is a warning, exit 0, and the diff tests skip saying so). Needs git
+and github.com the first time.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def touched(diff_text: str) -> list[str]:
     return [line.split(" b/", 1)[1] for line in diff_text.splitlines() if line.startswith("diff --git a/")]
 
 
+class Unreachable(RuntimeError):
+    """The commit could not be fetched (no network to github.com, or the host refused): nothing is known
+    about the pin, which is not the same as a diff whose hash differs."""
+
+
 def _git(*args: str, cwd: Path) -> str:
     res = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
     if res.returncode:
@@ -76,7 +82,10 @@ def pr_diff(entry: dict) -> Path:
         repo = Path(tmp) / "git"
         repo.mkdir()
         _git("init", "-q", "--bare", cwd=repo)
-        _git("fetch", "-q", "--depth=2", defaults["vllm_build_repo_url"], sha, cwd=repo)
+        try:
+            _git("fetch", "-q", "--depth=2", defaults["vllm_build_repo_url"], sha, cwd=repo)
+        except RuntimeError as exc:
+            raise Unreachable(str(exc)) from None
         out = Path(tmp) / "pr.diff"
         out.write_bytes(subprocess.run(
             ["git", "diff", *defaults["vllm_build_pr_diff_args"], f"{sha}^1", sha],
@@ -98,6 +107,12 @@ def main(argv: list[str]) -> int:
     for variant, entry in diff_prs():
         try:
             print(f"vllm_prs: {variant}: PR #{entry['pr']}: {pr_diff(entry)}")
+        except Unreachable as exc:
+            # a machine without github.com (a CI runner behind a package mirror) can still run every other
+            # contract test: the diff's own tests skip, saying why; a hash that differs is still a failure
+            print(f"vllm_prs: warning: {variant}: PR #{entry['pr']}: cannot fetch its commit ({exc}); the "
+                  "contract tests of carried diffs will be skipped on this machine until github.com is "
+                  "reachable once", file=sys.stderr)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
             print(f"vllm_prs: {variant}: PR #{entry['pr']}: {exc}; it needs git and github.com once "
                   "(then the machine cache has it)", file=sys.stderr)
