@@ -68,14 +68,17 @@ class Record:
 
 
 RECORDS: tuple[Record, ...] = (
-    Record(holder="albond", tok_s=51.58, spread="+- 0.30",
+    # 51.58: as Entrpi's docs/FINDINGS.md quotes albond's figure on his harness (albond's README, read at
+    # commit 280011f2, gives "51 tok/s"); a spread of +- 0.30 was reported to us but not found in a source we
+    # could read, so none is shown
+    Record(holder="albond", tok_s=51.58, spread="",
            config="MTP-2, hybrid INT4 (AutoRound) + FP8 shared experts, INT8 LM head",
            vllm="0.19.1.dev",
            harness="bench_qwen35.sh: 5 prompts (Q&A 256, code 512, JSON 1024, math 64, long code 2048 "
                    "tokens), non-streamed, thinking on, first pass discarded, completion tokens / request "
                    "time",
-           source="https://github.com/albond/DGX_Spark_Qwen3.5-122B-A10B-AR-INT4 (NVIDIA developer forum "
-                  "thread 365639, v2 post #71)",
+           source="https://github.com/albond/DGX_Spark_Qwen3.5-122B-A10B-AR-INT4 (README: 51 tok/s; NVIDIA "
+                  "developer forum thread 365639, v2 post #71); 51.58 as quoted in Entrpi's docs/FINDINGS.md",
            published="2026-05 (teardown blog of 2026-05-07 quotes 51 tok/s)"),
     Record(holder="Entrpi", tok_s=59.0, spread="",
            config="DFlash K=12 (z-lab drafter), hybrid INT4 + FP8, INT8 LM head",
