@@ -30,6 +30,9 @@ GOODPUT_TARGETS = {"ttft": ("ttft_s", 1e-3), "tpot": ("tpot_ms", 1.0), "e2e": ("
 def rate_list(text: str) -> list[float]:
     """``0.5,1,2`` -> [0.5, 1.0, 2.0] requests/s; UsageError for anything else."""
     fix = "e.g. --request-rate 0.5,1,2 (requests per second, each > 0)"
+    items = str(text).split(",")
+    if len(items) > 1 and any(not x.strip() for x in items):
+        raise UsageError(f"--request-rate {text!r}: an empty item (two commas, or one at an end), {fix}")
     try:
         vals = [float(x) for x in str(text).split(",") if x.strip()]
     except ValueError:

@@ -185,3 +185,9 @@ def test_version_2_store_is_migrated_to_the_current(tmp_path: Path) -> None:
     assert [r[0] for r in conn.execute("SELECT version FROM schema ORDER BY version")] == [3, 4]
     assert bench_store.store_run(conn, fake_doc("baseline", 1, [10.0, 11.0]))  # a schema-1 doc still stores
     conn.close()
+
+
+@pytest.mark.parametrize("text", ["0.5,,1", "1,", ",2"])
+def test_a_rate_list_with_an_empty_item_is_refused(text: str) -> None:
+    with pytest.raises(bench_rate.UsageError, match="an empty item"):
+        bench_rate.rate_list(text)
