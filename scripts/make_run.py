@@ -118,13 +118,9 @@ def check_inventory(inventory: str, bin_dir: str) -> None:
                       f"skip; {fix}")
 
 
-def playbook_argv(target: str, env: dict[str, str]) -> list[str]:
-    method = env.get("SPEC_METHOD", "")
-    if not METHOD_RE.fullmatch(method):
-        raise Refused(
-            f"SPEC_METHOD={method!r}: not a method name (letters, digits, _ and - only); "
-            "give one of the methods of group_vars/all/methods.yml, e.g. SPEC_METHOD=mtp"
-        )
+def checked_inventory(env: dict[str, str]) -> tuple[str, str]:
+    """(INVENTORY, the venv's bin directory) once INVENTORY is a path Ansible reads with a Spark host in
+    it; Refused otherwise."""
     inventory = env.get("INVENTORY", "")
     if not inventory or inventory.startswith("-") or CONTROL_RE.search(inventory):
         raise Refused(
@@ -132,6 +128,17 @@ def playbook_argv(target: str, env: dict[str, str]) -> list[str]:
         )
     bin_dir = env.get("BIN", ".venv/bin")
     check_inventory(inventory, bin_dir)
+    return inventory, bin_dir
+
+
+def playbook_argv(target: str, env: dict[str, str]) -> list[str]:
+    method = env.get("SPEC_METHOD", "")
+    if not METHOD_RE.fullmatch(method):
+        raise Refused(
+            f"SPEC_METHOD={method!r}: not a method name (letters, digits, _ and - only); "
+            "give one of the methods of group_vars/all/methods.yml, e.g. SPEC_METHOD=mtp"
+        )
+    inventory, bin_dir = checked_inventory(env)
     argv = [
         os.path.join(bin_dir, "ansible-playbook"),
         "-i",
@@ -147,13 +154,7 @@ def playbook_argv(target: str, env: dict[str, str]) -> list[str]:
 
 def tune_argv(env: dict[str, str]) -> list[str]:
     """scripts/tune.py (method x K x LM head on the inventory's Spark) with the inventory and ARGS."""
-    inventory = env.get("INVENTORY", "")
-    if not inventory or inventory.startswith("-") or CONTROL_RE.search(inventory):
-        raise Refused(
-            f"INVENTORY={inventory!r}: not an inventory path; give a file, e.g. INVENTORY=inventory/hosts.yml"
-        )
-    bin_dir = env.get("BIN", ".venv/bin")
-    check_inventory(inventory, bin_dir)
+    inventory, bin_dir = checked_inventory(env)
     return [os.path.join(bin_dir, "python"), "scripts/tune.py", "--inventory", inventory, *user_args(env)]
 
 

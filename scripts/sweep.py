@@ -616,13 +616,19 @@ def _needs_decode(a: argparse.Namespace) -> bool:
     return conc != "1" or a.request_rate is not None or str(a.depth or "0").replace(" ", "") not in ("0", "")
 
 
-def _main(a: argparse.Namespace, runner: Runner | None) -> int:
+def extra_vars(text: str) -> dict[str, Any]:
+    """--extra-vars as a dict; UsageError unless it is a JSON object."""
     try:
-        extra = json.loads(a.extra_vars)
+        extra = json.loads(text)
     except ValueError as exc:
         raise UsageError(f"--extra-vars must be a JSON object: {exc}") from None
     if not isinstance(extra, dict):
         raise UsageError("--extra-vars must be a JSON object, e.g. '{\"bench_repeats\": 2}'")
+    return extra
+
+
+def _main(a: argparse.Namespace, runner: Runner | None) -> int:
+    extra = extra_vars(a.extra_vars)
     if a.repeats < 1:
         raise UsageError("--repeats must be >= 1")
     lo, hi = spec_tokens_range()

@@ -143,12 +143,7 @@ def main(argv: list[str] | None = None, runner: sweep.Runner | None = None) -> i
 
 
 def _main(a: argparse.Namespace, runner: sweep.Runner | None) -> int:
-    try:
-        extra = json.loads(a.extra_vars)
-    except ValueError as exc:
-        raise UsageError(f"--extra-vars must be a JSON object: {exc}") from None
-    if not isinstance(extra, dict):
-        raise UsageError("--extra-vars must be a JSON object, e.g. '{\"bench_repeats\": 2}'")
+    extra = sweep.extra_vars(a.extra_vars)
     if a.repeats < 1 or a.start_s < 0:
         raise UsageError("--repeats must be >= 1 and --start-s >= 0")
     if a.inventory and "," not in a.inventory and not Path(a.inventory).exists():

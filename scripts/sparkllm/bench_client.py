@@ -187,10 +187,12 @@ def _chunk_has_content(obj: dict[str, Any]) -> bool:
     return False
 
 
-def _chunk_text(obj: dict[str, Any]) -> str:
+def _chunk_text(obj: dict[str, Any], part: str = "delta") -> str:
+    """The output text of a stream chunk's ``delta``s (or a whole response's ``message``s): reasoning,
+    content and tool calls, in the order a stream sends them."""
     out = []
     for ch in obj.get("choices") or []:
-        delta = ch.get("delta") or {}
+        delta = ch.get(part) or {}
         for key in ("reasoning_content", "reasoning", "content"):
             v = delta.get(key)
             if isinstance(v, str):
@@ -202,20 +204,6 @@ def _chunk_text(obj: dict[str, Any]) -> str:
 
 class UnsupportedOption(Exception):
     """The server rejected continuous_usage_stats."""
-
-
-def _message_text(obj: dict[str, Any]) -> str:
-    """A whole response's output text: reasoning, content and tool calls, in the order a stream sends them."""
-    out = []
-    for ch in obj.get("choices") or []:
-        msg = ch.get("message") or {}
-        for key in ("reasoning_content", "reasoning", "content"):
-            v = msg.get(key)
-            if isinstance(v, str):
-                out.append(v)
-        if msg.get("tool_calls"):
-            out.append(json.dumps(msg["tool_calls"], sort_keys=True))
-    return "".join(out)
 
 
 def whole_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> None:
@@ -242,7 +230,7 @@ def whole_request(ep: Endpoint, payload: dict[str, Any], res: RequestResult) -> 
         res.output_tokens = int(usage["completion_tokens"])
         if usage.get("prompt_tokens") is not None:
             res.prompt_tokens = int(usage["prompt_tokens"])
-        res.text = _message_text(obj)
+        res.text = _chunk_text(obj, "message")
         res.answer = "".join(str((ch.get("message") or {}).get("content") or "")
                              for ch in obj.get("choices") or [])
         res.t_end = t_end
