@@ -2,8 +2,8 @@
 diff_sha256): the build steps of the real templates/Dockerfile.j2 run in bash against a local git repository
 standing in for vLLM's (a release tag; on main, a move of the file and then the PR's commit, the shape of
 PR 38325 after the csrc/libtorch_stable move), and the role's pin check (roles/vllm_build/vars/main.yml
-_vllm_build_pin_errors) rendered with the role's defaults. The real PR against the real 0.19.1 source is
-tests/contract/test_upstream_pr_diffs_contract.py."""
+_vllm_build_pin_errors, a call of filter_plugins/spark_build.py) rendered with the role's defaults. The real
+PR against the real 0.19.1 source is tests/contract/test_upstream_pr_diffs_contract.py."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from spark_build import FilterModule as BuildFilters
 from test_dockerfile import ROLE, VARIANTS, ctx, lock_files, unpinned
 from test_templates import defaults, env, render
 
@@ -127,7 +128,9 @@ def pin_errors(variants: dict, overrides: dict | None = None, from_source: bool 
     c = {**defaults("vllm_build"), "_vllm_build_variants": sorted(variants), "spark_vllm_variants": variants,
          "vllm_build_variant_overrides": {v: {} for v in variants} | (overrides or {}),
          "vllm_build_images": {}, "vllm_build_from_source": from_source}
-    return ast.literal_eval(env().from_string(raw).render(**c).strip())
+    e = env()
+    e.filters.update(BuildFilters().filters())
+    return ast.literal_eval(e.from_string(raw).render(**c).strip())
 
 
 def _with_pr(**change) -> dict:
