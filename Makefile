@@ -7,18 +7,21 @@ SPEC_METHOD ?= mtp
 INVENTORY ?= inventory/hosts.yml
 # molecule scenarios run by `make test` (longest first: they run two at a time)
 SCENARIOS ?= site vllm_build serve cluster model ops bench metrics preflight
+# `make test-affected`: the scenarios a change since the merge base of HEAD and BASE touches, uncommitted
+# work included (default HEAD: the work not yet committed; BASE=origin/main for a branch)
+BASE ?= HEAD
 # scratch directory of `make bench-merge`, on the disk to measure (its 16 GB round holds ~42 GB there)
 BENCH_DIR ?= /var/tmp
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 # User variables reach the recipes through the environment ("$$VAR" or scripts/make_run.py), never
 # pasted into a shell line: `;`, quotes or `#` in a value cannot run a command or drop --check.
 # Each value is taken as written: make does not expand `$(...)` in it (no `$(shell ...)` either).
-USER_VARS := SPEC_METHOD INVENTORY ARGS PYTHON SCENARIOS BENCH_DIR
+USER_VARS := SPEC_METHOD INVENTORY ARGS PYTHON SCENARIOS BENCH_DIR BASE
 $(foreach v,$(USER_VARS),$(eval override $(v) := $$(value $(v))))
 export $(USER_VARS) BIN
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: setup deploy check test lint unit contract contract-env molecule testhost-image lock \
+.PHONY: setup deploy check test test-fast test-affected lint unit contract contract-env molecule testhost-image lock \
         bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash gpu-dflash-graph \
         gpu-shared-experts gpu-proxy gpu-head-records tune clean
 
@@ -47,6 +50,26 @@ tune: setup  ## sweep method x K x INT8 head (records profile), leave the fastes
 # run each suite on its own
 test: setup testhost-image  ## everything CI runs
 	bash tests/harness/test_all.sh
+
+# the fast gate (docs/testing.md): no molecule, no download; contract only where .venv-vllm is set up
+test-fast: setup  ## lint, unit and (where its environment is cached) contract tests: minutes
+	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory unit
+	@if .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then \
+	  .venv-vllm/bin/python -m pytest tests/contract -q -m vllm_contract; \
+	else \
+	  echo "test-fast: contract tests skipped: .venv-vllm has no vLLM (make contract-env sets it up, ~11 GB)"; \
+	fi
+
+# the molecule scenarios (of SCENARIOS) whose roles, playbooks or shared files the change touches
+test-affected: setup  ## the molecule scenarios a change touches (vs BASE, default HEAD: uncommitted work)
+	@scenarios="$$($(BIN)/python tests/harness/affected.py --base "$$BASE" $$SCENARIOS)" || exit $$?; \
+	if [ -z "$$scenarios" ]; then \
+	  echo "test-affected: the change since $$BASE touches no molecule scenario"; \
+	else \
+	  echo "test-affected: $$scenarios"; \
+	  bash tests/harness/build_testhost_image.sh && bash tests/harness/run_molecule.sh $$scenarios; \
+	fi
 
 lint: setup
 	$(BIN)/ruff check .
