@@ -9,8 +9,18 @@ neither ``/health`` nor a timed request tells a busy server from a hung one. One
   * ``GET /metrics`` (no API key needed): ``vllm:generation_tokens_total`` and
     ``vllm:prompt_tokens_total`` advance each engine step and ``vllm:request_success_total`` when a
     request ends; ``vllm:num_requests_running`` / ``_waiting`` say whether anything is in flight
-    (0.19.1 and 0.26.0 ``vllm/v1/metrics/loggers.py``). Counters that advanced since the last run:
-    alive. Requests in flight and no counter advanced for --stall seconds: stalled, a failure.
+    (0.19.1 and 0.26.0 ``vllm/v1/metrics/loggers.py``). A chunked prefill moves none of those three
+    (no output, so no IterationStats: 0.19.1 ``v1/engine/async_llm.py:666``; prompt tokens are counted
+    at the first output token), but every engine step returns its SchedulerStats even without outputs
+    (0.19.1 ``v1/core/sched/scheduler.py:1544-1554``, 0.26.0 the same) and the logger sets
+    ``vllm:kv_cache_usage_perc`` from them each step (0.19.1 ``v1/metrics/loggers.py:1046``): a prompt's
+    chunks take new full-attention KV blocks, so the gauge changes at least once every ceil(block_size /
+    chunk) steps, and every step under ``mamba_cache_mode`` align, whose chunks end on block boundaries
+    (0.19.1 ``v1/core/sched/scheduler.py:298-345``; mode none takes a hybrid's linear-attention block
+    once, at the first schedule, when ``vllm:prefix_cache_queries_total`` advances too). A counter that
+    advanced, or that gauge at another value, since the last run: alive. Requests in flight and none
+    of them moved for --stall seconds: stalled, a failure (a hung engine makes no step, so no series
+    moves: it fails as fast as before).
   * nothing in flight: a one-token completion (--completion-model) must answer within --timeout; when
     it does not, /metrics is read again and only a server that made no progress meanwhile counts a
     failure (a burst that arrived at the probe's moment is busy, not hung);
@@ -83,6 +93,8 @@ GENERATED = "vllm:generation_tokens_total"
 PROMPT = "vllm:prompt_tokens_total"
 FINISHED = "vllm:request_success_total"
 RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"  # gauge, set from every step's SchedulerStats (prefill included)
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"  # counter, advances as requests are scheduled
 WAITING = "vllm:num_requests_waiting"
 STARTED = "process_start_time_seconds"
 CONFIG_STATUSES = (401, 403, 404)
@@ -107,6 +119,8 @@ class Sample:
     running: float
     waiting: float
     started: float | None = None
+    kv_usage: float | None = None  # None: the server exposes no such series (older stand-ins)
+    prefix_queries: float | None = None
 
     @property
     def in_flight(self) -> float:
@@ -132,15 +146,27 @@ class Verdict:
     progress_at: float | None = None
 
 
+def _both(prev: float | None, cur: float | None) -> bool:
+    return prev is not None and cur is not None
+
+
 def _same_server(prev: Sample | None, cur: Sample) -> bool:
     return (prev is not None and prev.started == cur.started and cur.generated >= prev.generated
-            and cur.prompt >= prev.prompt and cur.finished >= prev.finished)
+            and cur.prompt >= prev.prompt and cur.finished >= prev.finished
+            and not (_both(prev.prefix_queries, cur.prefix_queries)
+                     and cur.prefix_queries < prev.prefix_queries))  # type: ignore[operator]
 
 
 def _advanced(prev: Sample, cur: Sample) -> str:
+    """What moved between two samples of one server ('' when nothing did): a counter that advanced,
+    or the KV-cache gauge at another value (a prefill step takes blocks; a hung engine sets nothing)."""
     parts = [f"+{cur.generated - prev.generated:.0f} tokens" if cur.generated > prev.generated else "",
              f"+{cur.prompt - prev.prompt:.0f} prompt tokens" if cur.prompt > prev.prompt else "",
              f"+{cur.finished - prev.finished:.0f} finished" if cur.finished > prev.finished else ""]
+    if _both(prev.kv_usage, cur.kv_usage) and cur.kv_usage != prev.kv_usage:
+        parts.append(f"KV cache {100 * prev.kv_usage:.4g}% -> {100 * cur.kv_usage:.4g}%")  # type: ignore[operator]
+    if _both(prev.prefix_queries, cur.prefix_queries) and cur.prefix_queries > prev.prefix_queries:  # type: ignore[operator]
+        parts.append(f"+{cur.prefix_queries - prev.prefix_queries:.0f} prefix-cache queries")  # type: ignore[operator]
     return ", ".join(p for p in parts if p)
 
 
@@ -162,8 +188,9 @@ def judge(prev: Sample | None, cur: Sample, progress_at: float | None, stall: fl
     silent = cur.t - progress_at
     if silent < stall:
         return Verdict("busy", f"{flight}; no new token for {silent:.0f} s of {stall:.0f} s", progress_at)
-    return Verdict("fail", f"stalled: {flight}, no token generated for {silent:.0f} s "
-                           f"(/health may still say 200: vLLM's does while its engine hangs)", progress_at)
+    return Verdict("fail", f"stalled: {flight}, no token generated for {silent:.0f} s, nor any prefill "
+                           f"progress (KV cache unchanged) (/health may still say 200: vLLM's does while its "
+                           f"engine hangs)", progress_at)
 
 
 def judge_probe(cur: Sample, probe: Probe, after: Sample | None, model: str, key_file: str | None) -> Verdict:
@@ -196,7 +223,7 @@ class NoAnswer(ValueError):
     """/metrics answered, but a value the watchdog judges by is no count (NaN, infinite, negative)."""
 
 
-_JUDGED = (GENERATED, PROMPT, FINISHED, RUNNING, WAITING, STARTED)
+_JUDGED = (GENERATED, PROMPT, FINISHED, RUNNING, WAITING, STARTED, KV_USAGE, PREFIX_QUERIES)
 
 
 def parse_metrics(text: str, t: float) -> Sample:
@@ -220,7 +247,7 @@ def parse_metrics(text: str, t: float) -> Sample:
         raise ValueError(f"/metrics has no {' or '.join(missing)}: is this vLLM with its stats on "
                          "(no --disable-log-stats)? The watchdog judges progress by them")
     return Sample(t, sums[GENERATED], sums.get(PROMPT, 0.0), sums.get(FINISHED, 0.0), sums[RUNNING],
-                  sums.get(WAITING, 0.0), sums.get(STARTED))
+                  sums.get(WAITING, 0.0), sums.get(STARTED), sums.get(KV_USAGE), sums.get(PREFIX_QUERIES))
 
 
 def _request(url: str, timeout: float, headers: dict[str, str],
@@ -369,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, default=3600.0, help="rate-limit window, seconds (default: 3600)")
     p.add_argument("--timeout", type=float, default=10.0, help="per request, seconds (default: 10)")
     p.add_argument("--stall", type=float, default=300.0,
-                   help="seconds in flight without a new token that fail (default: 300)")
+                   help="seconds in flight without a new token, nor a KV-cache change (prefill), that "
+                        "fail (default: 300)")
     p.add_argument("--grace", type=float, default=9900.0,
                    help="seconds a never-answering unit may load before failures count (default: 9900)")
     p.add_argument("--completion-model", default=None,
@@ -551,12 +579,19 @@ def paused(a: argparse.Namespace, st: dict, now: float) -> bool:
     return False
 
 
+_OPTIONAL = ("started", "kv_usage", "prefix_queries")
+
+
 def _sample_of(d: object) -> Sample | None:
-    if not isinstance(d, dict) or set(d) != set(Sample.__dataclass_fields__):
+    # a state written before kv_usage / prefix_queries existed lacks them: they default to None
+    if not isinstance(d, dict) or not set(Sample.__dataclass_fields__) - set(_OPTIONAL[1:]) <= set(d) \
+            or not set(d) <= set(Sample.__dataclass_fields__):
         return None
     if d["started"] is not None and not _finite(d["started"]):
         return None
-    if not all(_finite(v) and (k == "t" or v >= 0) for k, v in d.items() if k != "started"):
+    if any(d.get(k) is not None and not (_finite(d[k]) and d[k] >= 0) for k in _OPTIONAL[1:]):
+        return None
+    if not all(_finite(v) and (k == "t" or v >= 0) for k, v in d.items() if k not in _OPTIONAL):
         return None
     return Sample(**d)
 

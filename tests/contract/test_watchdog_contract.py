@@ -11,6 +11,12 @@
 * at ``max_num_seqs`` running requests the scheduler schedules no waiting one (``max_num_running_reqs``);
 * the API key guards only ``/v1`` (and in 0.26.0 ``/v2``, ``/inference``): ``/metrics`` and ``/health``
   need none, and a wrong key on ``/v1/completions`` is a 401;
+* a chunked prefill moves none of the three counters but ``vllm:kv_cache_usage_perc`` (and
+  ``vllm:prefix_cache_queries_total`` when the request is first scheduled): each step returns its
+  SchedulerStats even without a request output, ``AsyncLLM`` records them with no IterationStats, and the
+  release's own ``KVCacheManager`` + ``PrometheusStatLogger`` (run by ``watchdog_prefill_probe.py``) move
+  the gauge at every step whose chunk fills a new block - every step when the chunk is at least a block,
+  at least once every ceil(block / chunk) steps otherwise;
 * the stand-in (tests/fixtures/standin_server) behaves so: checked against the same facts.
 """
 
@@ -19,7 +25,11 @@ from __future__ import annotations
 import ast
 import http.client
 import json
+import math
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -172,3 +182,83 @@ def test_the_standin_behaves_as_the_sources_say(tmp_path, monkeypatch):
         wedge.unlink()
         for t in threads:
             t.join(30)
+
+
+# ------------------------------------------------------------------------- prefill (issue 45)
+PAIRS = ("16:64", "256:64")  # a chunk of 4 blocks; a chunk of a quarter block (hybrid models: big blocks)
+
+
+@pytest.fixture(scope="module", params=list(RELEASES))
+def prefill_run(request) -> tuple[str, dict[str, list[str]]]:
+    """The release's own KV-cache manager and Prometheus logger through a prefill of 1000 tokens."""
+    release = request.param
+    _src(release, "v1/metrics/loggers.py")  # fails with the fix when the sources are missing
+    env = dict(os.environ, PYTHONPATH=str(RELEASES[release].parent)) if release != "0.19.1" else None
+    probe = Path(__file__).with_name("watchdog_prefill_probe.py")
+    proc = subprocess.run([sys.executable, str(probe), *PAIRS], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PREFILL ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("PREFILL "):])
+    assert got["version"] == release
+    return release, got["runs"]
+
+
+def _hist_count(text: str, name: str) -> float:
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "_count"))
+
+
+def test_a_prefill_step_moves_the_kv_gauge_and_no_token_counter(prefill_run):
+    release, runs = prefill_run
+    texts = runs["16:64"]
+    samples = [wd.parse_metrics(t, i) for i, t in enumerate(texts)]
+    assert len(samples) == math.ceil(999 / 64) + 1
+    first = samples[0]
+    for prev, cur in zip(samples, samples[1:], strict=False):
+        assert (cur.generated, cur.prompt, cur.finished) == (first.generated, first.prompt, first.finished)
+        assert cur.kv_usage > prev.kv_usage, (release, prev.kv_usage, cur.kv_usage)  # every chunk step
+        assert wd._advanced(prev, cur).startswith("KV cache"), release
+    # the per-iteration token histogram is observed only with IterationStats, i.e. with an output
+    assert {_hist_count(t, "vllm:iteration_tokens_total") for t in texts} == {_hist_count(texts[0],
+                                                                              "vllm:iteration_tokens_total")}
+    # the prefix-cache lookup of the first scheduling counts the whole prompt once
+    assert [s.prefix_queries for s in samples[:3]] == [0, 1000, 1000], release
+
+
+def test_a_chunk_smaller_than_a_block_leaves_the_gauge_flat_for_some_steps(prefill_run):
+    release, runs = prefill_run
+    usage = [wd.parse_metrics(t, i).kv_usage for i, t in enumerate(runs["256:64"])]
+    runs_of_equal, n = [], 1
+    for a, b in zip(usage[1:], usage[2:], strict=False):
+        n = n + 1 if a == b else (runs_of_equal.append(n) or 1)
+    runs_of_equal.append(n)
+    # flat across up to ceil(256 / 64) = 4 steps, never longer: the watchdog's --stall must cover that many
+    # chunk steps (300 s by default: minutes per chunk)
+    assert max(runs_of_equal) == math.ceil(256 / 64), (release, usage)
+    assert usage[-1] > usage[1], release
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_step_s_scheduler_stats_reach_the_logger_even_without_an_output(release):
+    tree = ast.parse(_src(release, "v1/core/sched/scheduler.py"))
+    sched = ast.unparse(_function(tree, "update_from_output"))
+    assert re.search(r"if \(eco := next\(iter\(engine_core_outputs\.values\(\)\), None\)\) is None:\s*"
+                     r"engine_core_outputs\[0\] = eco = EngineCoreOutputs\(\)\s*eco\.scheduler_stats = stats",
+                     sched), release
+    stats = ast.unparse(_function(tree, "make_stats"))
+    assert "kv_cache_usage=self.kv_cache_manager.usage" in stats
+    handler = ast.unparse(_function(ast.parse(_src(release, "v1/engine/async_llm.py")), "output_handler"))
+    assert "IterationStats() if log_stats and num_outputs else None" in handler
+    assert re.search(r"\.record\(engine_idx=outputs\.engine_index, scheduler_stats=outputs\.scheduler_stats,"
+                     r" iteration_stats=iteration_stats", handler), release
+    record = ast.unparse(_function(next(n for n in ast.walk(ast.parse(_src(release, "v1/metrics/loggers.py")))
+                                        if isinstance(n, ast.ClassDef) and n.name == "PrometheusStatLogger"),
+                                   "record"))
+    head = record.split("if iteration_stats is None:")[0]
+    assert "self.gauge_kv_cache_usage[engine_idx].set(scheduler_stats.kv_cache_usage)" in head
+    assert "self.counter_prefix_cache_queries[engine_idx].inc(" in head
+    assert "counter_prompt_tokens[engine_idx]" not in head and "counter_generation_tokens" not in head
+    real = _metrics(release)
+    assert (real["vllm:kv_cache_usage_perc"], real["vllm:prefix_cache_queries"]) == ("gauge", "counter")
+    assert wd.KV_USAGE == "vllm:kv_cache_usage_perc"
+    assert _exposed("vllm:prefix_cache_queries", "counter") == wd.PREFIX_QUERIES

@@ -65,6 +65,78 @@ def test_a_restarted_server_is_a_new_baseline_not_a_stall() -> None:
     assert v.kind == "busy" and v.progress_at == 400
 
 
+def p(t: float, kv: float, queries: float = 1.0, running: float = 1, gen: float = 100) -> Sample:
+    """A sample in a chunked prefill: tokens, prompt tokens and successes stand still."""
+    return Sample(t, gen, 50, 3, running, 0, 1.0, kv, queries)
+
+
+def test_a_long_prefill_that_only_moves_the_kv_cache_is_never_a_failure() -> None:
+    # 20 minutes of one prompt's prefill, read every 30 s with --stall 300: only the KV-cache gauge moves,
+    # and only every third look (a chunk smaller than a block leaves the gauge flat for some steps)
+    prev, progress_at, kinds = p(0, 0.01), 0.0, []
+    for i in range(1, 41):
+        cur = p(30 * i, 0.01 + 0.002 * (i // 3))
+        v = wd.judge(prev, cur, progress_at, 300)
+        kinds.append(v.kind)
+        prev, progress_at = cur, v.progress_at
+    assert "fail" not in kinds and kinds.count("ok") == 13, kinds
+    moved = wd.judge(p(0, 0.25), p(30, 0.3), 0.0, 300)
+    assert moved.kind == "ok" and moved.progress_at == 30 and "KV cache 25% -> 30%" in moved.reason
+    # the gauge going down is a change too (blocks freed), as is a request newly scheduled
+    assert wd.judge(p(0, 0.3), p(30, 0.2), 0.0, 300).kind == "ok"
+    q = wd.judge(p(0, 0.3, queries=100), p(30, 0.3, queries=4196), 0.0, 300)
+    assert q.kind == "ok" and "+4096 prefix-cache queries" in q.reason
+
+
+def test_a_hung_engine_whose_gauges_stand_still_fails_after_the_stall_as_before() -> None:
+    prev, progress_at, verdicts = p(0, 0.4), 0.0, []
+    for i in range(1, 12):
+        v = wd.judge(prev, p(30 * i, 0.4), progress_at, 300)
+        verdicts.append(v)
+        prev, progress_at = p(30 * i, 0.4), v.progress_at
+    assert [v.kind for v in verdicts] == ["busy"] * 9 + ["fail"] * 2  # at 300 s, as with the counters alone
+    assert "no token generated for 300 s" in verdicts[9].reason and "KV cache unchanged" in verdicts[9].reason
+
+
+def test_a_server_without_the_prefill_series_is_judged_by_the_counters_alone() -> None:
+    # None (not exposed) on either side is no change, never progress
+    assert wd.judge(p(0, None), p(30, 0.5), 0.0, 300).kind == "busy"  # type: ignore[arg-type]
+    assert wd.judge(p(0, 0.5, None), p(30, 0.5, 7), 0.0, 300).kind == "busy"  # type: ignore[arg-type]
+    # prefix-cache queries going back: another server, a new baseline rather than progress
+    v = wd.judge(p(0, 0.5, queries=900), p(30, 0.6, queries=3), 0.0, 300)
+    assert v.kind == "busy" and v.progress_at == 30
+
+
+def test_parse_metrics_reads_the_prefill_series() -> None:
+    text = ('vllm:generation_tokens_total{engine="0"} 1\nvllm:num_requests_running{engine="0"} 1\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.125\n'
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n'
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 4096.0\n'
+            'vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9\n')
+    got = wd.parse_metrics(text, 1.0)
+    assert (got.kv_usage, got.prefix_queries) == (0.375, 4096.0)
+    bare = wd.parse_metrics('vllm:generation_tokens_total 1\nvllm:num_requests_running 1\n', 1.0)
+    assert (bare.kv_usage, bare.prefix_queries) == (None, None)
+
+
+@pytest.mark.parametrize("name", ["vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total"])
+@pytest.mark.parametrize("bad", ["NaN", "-0.5", "+Inf"])
+def test_non_finite_or_negative_prefill_series_are_no_answer(name: str, bad: str) -> None:
+    text = f'vllm:generation_tokens_total 5\nvllm:num_requests_running 1\n{name}{{engine="0"}} {bad}\n'
+    with pytest.raises(wd.NoAnswer, match=rf"{name} is .*no answer"):
+        wd.parse_metrics(text, 1.0)
+
+
+def test_a_state_sample_from_before_the_prefill_series_is_still_read() -> None:
+    old = {"t": 1.0, "generated": 2.0, "prompt": 3.0, "finished": 0.0, "running": 1.0, "waiting": 0.0,
+           "started": 5.0}
+    assert wd._sample_of(old) == Sample(1.0, 2.0, 3.0, 0.0, 1.0, 0.0, 5.0)
+    assert wd._sample_of({**old, "kv_usage": 0.5, "prefix_queries": 9.0}).kv_usage == 0.5
+    assert wd._sample_of({**old, "kv_usage": float("nan")}) is None
+    assert wd._sample_of({**old, "prefix_queries": -1.0}) is None
+    assert wd._sample_of({**old, "other": 1.0}) is None
+
+
 def test_probe_verdicts() -> None:
     cur = s(0, gen=7)
     assert wd.judge_probe(cur, Probe(200, seconds=0.2), None, "m", None).kind == "ok"

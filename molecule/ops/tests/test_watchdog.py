@@ -1,6 +1,7 @@
 """The watchdog judging progress on the systemd test host (issue 29), after test_ops.py (file order):
-max_num_seqs long requests in flight are never restarted, a hung engine whose /health still says 200 is,
-a rotated key is one configuration message and no restart, and a pause file stops all judging.
+max_num_seqs long requests in flight are never restarted, nor is a request whose chunked prefill outlasts
+the stall limit (issue 45: only the KV-cache gauge moves meanwhile), a hung engine whose /health still says
+200 is, a rotated key is one configuration message and no restart, and a pause file stops all judging.
 
 test_ops.py ends with the watchdog given up (unit and timer stopped): the first test starts both again.
 """
@@ -23,6 +24,10 @@ ENGINE_WEDGE = "/var/tmp/molecule-ops-wedge/engine"  # the engine hangs, /health
 KEY = "/etc/molecule-ops-api-key"  # host_vars: vllm_api_key_file
 PAUSE = "/run/sparkllm-ops/watchdog.pause"  # serve_watchdog_pause_file
 MAX_NUM_SEQS = 4  # group_vars: vllm_max_num_seqs, passed as --max-num-seqs
+STALL = 6  # host_vars: spark_ops_watchdog_stall
+# host_vars: vllm_serve_extra_args, 1 ms a prompt token in 256-token chunks: this prompt (15001 tokens at the
+# stand-in's 1 token a word, + 1) prefills in 59 chunk steps, ~15 s, 2.5 x the stall limit
+LONG_PROMPT_WORDS = 15000
 
 
 def _journal(host, since: int) -> str:
@@ -41,9 +46,21 @@ def _gauges(host) -> tuple[int, int]:
     return int(got["vllm:num_requests_running"]), int(got["vllm:num_requests_waiting"])
 
 
-def _load(host, n: int, tokens: int) -> None:
+def _load(host, n: int, tokens: int, words: int = 0) -> None:
     host.check_output(f"systemd-run --unit ops-load --collect /usr/local/bin/ops-load {URL} {MODEL} {n} "
-                      f"{tokens} {KEY}")
+                      f"{tokens} {KEY}{f' {words}' if words else ''}")
+
+
+def _series(host) -> dict[str, float]:
+    """The progress series the watchdog reads, summed over engines (None-free: 0 when absent)."""
+    text = host.check_output(f"curl -sf --max-time 2 {URL}/metrics")
+    names = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
+             "vllm:kv_cache_usage_perc", "vllm:num_requests_running")
+    return {n: sum(float(v) for v in re.findall(rf"^{n}\{{[^}}]*\}} (\S+)$", text, re.M)) for n in names}
+
+
+def _restarts(host) -> str:
+    return host.check_output(f"systemctl show -p NRestarts --value {UNIT}")
 
 
 def _one_token(host, max_time: float) -> int:
@@ -87,6 +104,41 @@ def test_max_num_seqs_long_requests_in_flight_are_never_restarted(host):
         assert ("ok", True) in seen and seen <= {("ok", True), ("busy", True)}, seen
         print(f"\nWATCHDOG FIGURE: {MAX_NUM_SEQS} long requests running + 1 waiting for 24 s: no failure, "
               f"last verdict {_state(host)['last']['reason']!r}")
+    finally:
+        host.run("systemctl stop ops-load.service")
+
+
+def test_a_prefill_longer_than_the_stall_limit_is_never_restarted(host):
+    wait_until(lambda: _gauges(host) == (0, 0), 60, "the load to end")
+    before, restarts, t0 = invocation(host, UNIT), _restarts(host), host_now(host)
+    _load(host, 1, 16, LONG_PROMPT_WORDS)
+    try:
+        wait_until(lambda: _gauges(host) == (1, 0), 20, "the long request running")
+        start, t_start = _series(host), time.monotonic()
+        kv, verdicts = {start["vllm:kv_cache_usage_perc"]}, set()
+        while True:  # until its first token: the prefill's end
+            cur = _series(host)
+            if cur["vllm:generation_tokens_total"] > start["vllm:generation_tokens_total"]:
+                break
+            assert time.monotonic() - t_start < 120, "the prefill never ended"
+            # no output yet: prompt tokens and successes stand still, as in vLLM
+            for n in ("vllm:prompt_tokens_total", "vllm:request_success_total"):
+                assert cur[n] == start[n], (n, start, cur)
+            kv.add(cur["vllm:kv_cache_usage_perc"])
+            last = _state(host).get("last", {})
+            verdicts.add((last.get("kind"), "KV cache" in last.get("reason", "")))
+            time.sleep(1)
+        prefill_s = time.monotonic() - t_start
+        assert prefill_s > 2 * STALL, f"the prefill took {prefill_s:.0f} s: not past the stall limit"
+        assert len(kv) >= 5, kv  # the gauge grew chunk by chunk
+        log = _journal(host, t0)
+        assert "probe failed" not in log and "restarting" not in log, log
+        assert (invocation(host, UNIT), _restarts(host)) == (before, restarts)
+        # the watchdog saw the prefill as progress by the KV-cache gauge, never as a stall
+        assert ("ok", True) in verdicts and all(k != "fail" for k, _ in verdicts), verdicts
+        print(f"\nWATCHDOG FIGURE: one {LONG_PROMPT_WORDS + 1}-token prefill of {prefill_s:.0f} s "
+              f"(stall limit {STALL} s): no failure, {len(kv)} KV-cache values seen, last verdict "
+              f"{_state(host)['last']['reason']!r}")
     finally:
         host.run("systemctl stop ops-load.service")
 
