@@ -21,7 +21,7 @@ _ROLES = Path(__file__).resolve().parents[1] / "roles"
 # The defaults of another node's variables (a worker's hostvars may not hold them): read from the roles that
 # define them, their one home (PyYAML, which Ansible itself needs).
 _DEFAULT_NAMES = {"spark_link": ("spark_link_manage", "spark_link_interfaces", "spark_link_addresses",
-                                 "spark_link_nccl_interface"),
+                                 "spark_link_nccl_interface", "spark_link_nccl_ib_gid_index"),
                   "ray_cluster": ("ray_cluster_gpus_per_node",)}
 
 
@@ -68,6 +68,12 @@ def _link_errors(host: str, hostvars: Mapping) -> tuple[list[str], list]:
     if nccl and nccl not in ifaces:
         errors.append(f"{host}: spark_link_nccl_interface={nccl!r} is not one of spark_link_interfaces "
                       f"({', '.join(ifaces)}); set it to one of them or \"\"")
+    gid = _var(hostvars, host, "spark_link_nccl_ib_gid_index")
+    if gid not in (None, "") and (isinstance(gid, bool) or not re.fullmatch(r"[0-9]{1,4}", str(gid))):
+        errors.append(f"{host}: spark_link_nccl_ib_gid_index={gid!r} must be an integer >= 0 (the GID "
+                      "index of this node's RoCEv2 link address, e.g. from show_gids or "
+                      "/sys/class/infiniband/DEV/ports/1/gid_attrs/types/N) or \"\" to leave "
+                      "NCCL_IB_GID_INDEX to NCCL")
     addresses = _var(hostvars, host, "spark_link_addresses")
     manage = _var(hostvars, host, "spark_link_manage")
     if not isinstance(addresses, Sequence) or isinstance(addresses, str):

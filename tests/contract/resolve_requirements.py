@@ -28,12 +28,14 @@ machine (vllm_sources.MACHINE_CACHE: ~/.cache/sparkllm/pip-resolve, so a fresh c
 sha256 of every input: the requirement lines, the constraints, pip's version, the target, the index mode,
 this file. A second run costs nothing; ``--refresh`` asks PyPI again.
 
-torch, torchvision and torchaudio come from the PyTorch index (``vllm_build_torch_index_url``, the
-Dockerfile's PIP_EXTRA_INDEX_URL; the ``+cu130`` builds are only there). When that index is reachable it is
-used exactly so. When it is not (this machine, its CI), the three are resolved from PyPI at their public
-versions (``torch==2.10.0`` for ``2.10.0+cu130``) and the result says so: the pins and everything around
-them resolve, the cu130 wheels' own dependency lists are not read (PyPI's aarch64 torch 2.11.0 is a CUDA 13
-build requiring cuda-toolkit 13.0.2; PyPI's aarch64 torch 2.10.0 is a CPU build).
+torch, torchvision and torchaudio pinned ``+cu130`` come from the PyTorch index
+(``vllm_build_torch_index_url``, the Dockerfile's PIP_EXTRA_INDEX_URL; those builds are only there); a
+variant that pins them by their public version (PyPI's aarch64 wheels are the CUDA 13 build) never asks
+that index. When it is reachable it is used exactly so. When it is not (this machine, its CI), the three
+are resolved from PyPI at their public versions (``torch==2.10.0`` for ``2.10.0+cu130``) and the result
+says so: the pins and everything around them resolve, the cu130 wheels' own dependency lists are not read
+(PyPI's aarch64 torch 2.10.0 is a CPU build; its 2.11.0 is the CUDA 13 build, requiring cuda-toolkit 13.0.2,
+which is why the 0.26 variant pins it by its public version).
 
     python tests/contract/resolve_requirements.py [--refresh] [VARIANT ...]
 
@@ -130,6 +132,11 @@ def index_reachable(url: str, timeout: float = 10) -> bool:
             return resp.status == 200
     except OSError:
         return False
+
+
+def uses_torch_index(lines: list[str]) -> bool:
+    """Whether constraint lines pin a PyTorch-index build (a local version label such as +cu130)."""
+    return any(re.search(r"\+[A-Za-z0-9.]+$", line) for line in lines)
 
 
 def public_pins(lines: list[str]) -> list[str]:
@@ -240,7 +247,8 @@ def resolve(variant: str, set_name: str, *, pins: dict[str, str] | None = None, 
     if index_ok is None:
         index_ok = index_reachable(torch_index())
     lines = constraints_lines(conf)
-    mode = {"torch_index": torch_index(), "torch_index_reachable": index_ok}
+    mode = {"torch_index": torch_index(), "torch_index_reachable": index_ok,
+            "torch_index_used": index_ok and uses_torch_index(lines)}
     if not index_ok:
         lines = public_pins(lines)
     with tempfile.TemporaryDirectory(prefix="pip-resolve-") as tmp:
@@ -257,7 +265,7 @@ def resolve(variant: str, set_name: str, *, pins: dict[str, str] | None = None, 
                *(a for p in PLATFORMS for a in ("--platform", p)), "--python-version", "3.12",
                "--implementation", "cp", "--target", str(work / "target"), "--use-feature=fast-deps",
                "--no-cache-dir", "--index-url", PYPI,
-               *(["--extra-index-url", torch_index()] if index_ok else []),
+               *(["--extra-index-url", torch_index()] if mode["torch_index_used"] else []),
                "-c", str(work / "constraints.txt"), *args]
         res = subprocess.run(cmd, capture_output=True, text=True, env=_pip_env(), check=False)
         # pip's explanation of a failure ("The conflict is caused by: ...") is on stdout among its progress

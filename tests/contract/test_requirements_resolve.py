@@ -35,7 +35,8 @@ def _resolve(variant: str, set_name: str, **kw) -> dict:
         r = rr.resolve(variant, set_name, **kw)
     except RuntimeError as exc:
         pytest.fail(f"{exc}; rerun tests/contract/setup_vllm_env.sh with PyPI reachable")
-    if not r["mode"]["torch_index_reachable"]:
+    needs_index = rr.uses_torch_index(rr.constraints_lines(VARIANTS[variant]))  # a +cu130 pin
+    if needs_index and not r["mode"]["torch_index_reachable"]:
         warnings.warn(f"{r['mode']['torch_index']} unreachable: torch, torchvision, torchaudio resolved from "
                       "PyPI at their public versions", stacklevel=2)
     return r

@@ -198,3 +198,39 @@ def test_the_lock_check_refuses_a_missing_lock_file(tmp_path):
     res = subprocess.run([sys.executable, "-S", str(LOCK_CHECK), str(tmp_path / "none.txt")],
                          capture_output=True, text=True, check=False)
     assert res.returncode == 2 and "lock files missing" in res.stderr
+
+
+PYPI_TORCH = sorted(v for v in VARIANTS if not image_lock.index_packages(VARIANTS[v]))
+
+
+def test_only_a_cu130_pin_is_an_index_package():
+    assert image_lock.index_packages(VARIANTS["v0_19_1"]) == {"torch", "torchvision", "torchaudio"}
+    assert PYPI_TORCH == ["v0_26_dflash"]  # its torch 2.11.0: PyPI's aarch64 wheel is the cu130 build
+
+
+@pytest.mark.parametrize("variant", PYPI_TORCH)
+def test_a_variant_whose_torch_is_on_pypi_locks_it_by_hash_without_the_index(variant):
+    """torch, torchvision and torchaudio pinned by their public version come from PyPI like everything else:
+    hashed in base.txt with torch's CUDA 13 libraries, base-index.txt lists nothing, and the image never
+    names the PyTorch index (tests/unit/test_vllm_toolchains.py holds PyPI's wheels to the cu130 build)."""
+    assert lock(variant, "base-index") == {}
+    assert "PyTorch index is not used" in (LOCKS / variant / "base-index.txt").read_text()
+    base = lock(variant, "base")
+    toolchain = VARIANTS[variant]["toolchain"]
+    for name in ("torch", "torchvision", "torchaudio"):
+        version, sha = base[name]
+        assert version == str(toolchain[name]) and re.fullmatch(r"[0-9a-f]{64}", sha), name
+    # torch's own ==-pins on Linux (cuda-toolkit 13.0.2, the -cu13 libraries) are locked, not left to pip
+    assert base["cuda-toolkit"][0] == "13.0.2"
+    cu13 = {n for n in base if n.startswith("nvidia-") and n.endswith("-cu13")}
+    assert {"nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cusparselt-cu13", "nvidia-nvshmem-cu13"} <= cu13
+    assert not [n for n in base if n.endswith("-cu12")]
+    for install in ("source", "wheel"):
+        text = rendered(variant, install=install)
+        assert "PIP_EXTRA_INDEX_URL" not in text and "download.pytorch.org" not in text, install
+        assert "pip install -r /opt/sparkllm/lock/base-index.txt" not in text
+
+
+def test_a_cu130_variant_keeps_the_pytorch_index():
+    text = rendered("v0_19_1")
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu130" in text

@@ -56,6 +56,10 @@ def test_without_manage_the_addresses_may_come_from_the_interfaces():
          "s2: spark_link_addresses entry 1 (192.168.200.11/24) is not on s1's subnet 192.168.100.0/24"),
         ({"spark_link_nccl_interface": "eth9"}, "s2: spark_link_nccl_interface='eth9' is not one of"),
         ({"spark_link_interfaces": []}, "s2: spark_link_interfaces=[] must list"),
+        ({"spark_link_nccl_ib_gid_index": -1}, "s2: spark_link_nccl_ib_gid_index=-1 must be an integer >= 0"),
+        ({"spark_link_nccl_ib_gid_index": "three"},
+         "s2: spark_link_nccl_ib_gid_index='three' must be an integer"),
+        ({"spark_link_nccl_ib_gid_index": True}, "s2: spark_link_nccl_ib_gid_index=True must be an integer"),
         ({"spark_link_addresses": "192.168.100.11/24"},
          "s2: spark_link_addresses='192.168.100.11/24' must be a list"),
     ],
@@ -63,6 +67,16 @@ def test_without_manage_the_addresses_may_come_from_the_interfaces():
 def test_bad_link_settings_are_named(worker, needle):
     errors = spark_cluster_inventory_errors(*_two(worker=worker))
     assert any(needle in e for e in errors), errors
+
+
+def test_the_gid_index_is_per_node_an_integer_or_empty():
+    """NCCL_IB_GID_INDEX per node: the RoCEv2 index of a node's own link address may differ between two
+    Sparks (4 on one, 3 on the other: MiaAI-Lab/GLM-5.3-Flash-EXL3-2x-DGX-Sparks pull request 26)."""
+    assert spark_cluster_inventory_errors(*_two(head={"spark_link_nccl_ib_gid_index": 4},
+                                                worker={"spark_link_nccl_ib_gid_index": "3"})) == []
+    assert spark_cluster_inventory_errors(*_two(worker={"spark_link_nccl_ib_gid_index": 0})) == []
+    assert spark_cluster_inventory_errors(*_two(worker={"spark_link_nccl_ib_gid_index": ""})) == []
+    assert DEFAULTS["spark_link_nccl_ib_gid_index"] == ""
 
 
 @pytest.mark.parametrize(

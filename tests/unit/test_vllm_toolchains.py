@@ -8,6 +8,7 @@ Needs PyPI (CI has it); offline it skips, naming the reason.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,42 @@ def test_toolchain_pins_every_package_exactly(variant):
     assert set(toolchain) >= REQUIRED, f"{variant} toolchain lacks {sorted(REQUIRED - set(toolchain))}"
     for version in toolchain.values():
         Version(str(version))  # an exact version, not a range
-    for name in ("torch", "torchvision", "torchaudio"):
-        assert str(toolchain[name]).endswith("+cu130"), f"{variant}: {name} must be the CUDA 13 (cu130) build"
+    # the CUDA 13 builds: all three +cu130 (the PyTorch index) or all three public (PyPI's wheels are that
+    # build: test_a_public_torch_pin_is_pypi_s_cuda_13_build)
+    labels = {Version(str(toolchain[name])).local for name in ("torch", "torchvision", "torchaudio")}
+    assert labels in ({"cu130"}, {None}), f"{variant}: torch, torchvision, torchaudio: one CUDA 13 build"
+
+
+def _pypi_build(name: str, version: str) -> str:
+    """The version PyPI's aarch64 wheel of name==version reports in its own version.py: the local label is
+    the build (2.11.0+cu130 for torch 2.11.0, 2.10.0+cpu for torch 2.10.0; METADATA has the public one)."""
+    member = f"{name}/version.py"
+    try:
+        text = wheel_peek.read_members(name, version, [member])[member]
+    except wheel_peek.Offline as exc:
+        pytest.skip(f"PyPI unreachable, cannot read {member} of {name} {version}: {exc}")
+    found = re.search(r"^__version__ = '([^']+)'", text, re.M)
+    assert found, f"{name} {version}: no __version__ in {member}"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("name", ["torch", "torchvision", "torchaudio"])
+def test_a_public_torch_pin_is_pypi_s_cuda_13_build(variant, name):
+    """A public pin is installed from PyPI (scripts/image_lock.py, no PyTorch index): PyPI's aarch64 wheel
+    must then be the cu130 build. A +cu130 pin goes to the PyTorch index because PyPI's is not."""
+    pinned = Version(str(VARIANTS[variant]["toolchain"][name]))
+    build = Version(_pypi_build(name, pinned.public))
+    said = f"{variant}: PyPI's aarch64 {name} {pinned.public} is {build}"
+    if pinned.local is None:
+        assert build.local == "cu130", f"{said}, not the cu130 build: pin {name} +cu130 (the PyTorch index)"
+    else:
+        assert build.local != "cu130", f"{said}: pin the public version and lock it from PyPI"
+    if name == "torch" and pinned.local is None:  # and its CUDA libraries are CUDA 13's
+        cuda = [r for r in _requires("torch", pinned.public) if r.name.startswith(("cuda-toolkit", "nvidia-"))
+                and _applies(r)]
+        assert cuda and all(r.specifier.contains("13.0.2") if r.name == "cuda-toolkit"
+                            else r.name.endswith("-cu13") for r in cuda), cuda
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -67,6 +67,21 @@ def test_cluster_env_derived_from_the_link_interface(head, worker):
         assert f"NCCL_SOCKET_IFNAME={iface}" in environ and f"VLLM_HOST_IP={ip}" in environ
 
 
+def test_the_gid_index_is_the_nodes_own_and_absent_where_empty(head, worker):
+    """spark_link_nccl_ib_gid_index is 5 on the head (host_vars/cluster-head.yml) and "" on the worker: the
+    head's cluster environment and Ray process carry NCCL_IB_GID_INDEX=5, the worker's have no such line (NCCL
+    picks the GID itself), and the head's server keeps vLLM from copying its value onto the worker's ranks."""
+    assert _env(head)["NCCL_IB_GID_INDEX"] == "5"
+    assert "NCCL_IB_GID_INDEX" not in _env(worker)
+    for node, unit, want in ((head, "sparkllm-ray-head", ["NCCL_IB_GID_INDEX=5"]),
+                             (worker, "sparkllm-ray-worker", [])):
+        pid = node.check_output(f"systemctl show -p MainPID --value {unit}")
+        environ = node.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ").splitlines()
+        assert [v for v in environ if v.startswith("NCCL_IB_GID_INDEX=")] == want, unit
+    names = json.loads(head.file("/etc/sparkllm/vllm-ray-env-exclude.json").content_string)
+    assert "NCCL_IB_GID_INDEX" in names
+
+
 def test_head_serve_arguments_span_both_nodes(head, worker):
     record = json.loads(head.file("/etc/sparkllm/cluster-serve.json").content_string)
     argv = record["serve_argv"]
