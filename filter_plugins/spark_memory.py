@@ -13,7 +13,8 @@ SIGTERM line. So the budget is:
     reserved           = ceil(MemTotal x utilization)
     left               = MemTotal - in use - reserved
     required           = the guard's SIGTERM line + a margin (what vLLM holds beyond its reservation:
-                         API server, tokenizer, CUDA context, compile workers)
+                         API server, tokenizer, CUDA context, compile workers; and the headroom the
+                         field's reports ask to stay free once the server is READY: memory.yml says which)
 
 and a deploy is refused when ``left < required``, naming the highest utilization that fits. The
 guard's lines are the same figures in KiB, as earlyoom's ``-M SIZE,KILL_SIZE`` takes them.

@@ -39,7 +39,7 @@ def _docker_opts(env, lm_head_int8) -> list[str]:
     ctx = {"serve_container_home": "/root", "serve_container_gpus": "all", "spark_model_dir": "/srv/model",
            "serve_model_path": "/model", "_serve_mount_hf_token": False,
            "serve_flashinfer_jit_verbose": False, "spark_cuda_cache_max_bytes": 4294967296,
-           "serve_container_env": {}, "serve_container_extra_args": []}
+           "serve_container_env": {}, "serve_container_extra_args": [], "spark_pytorch_cuda_alloc_conf": ""}
     ctx["vllm_lm_head_int8"] = lm_head_int8
     ctx["_serve_cache_mounts"] = {k: env.from_string(v).render(ctx)
                                   for k, v in SERVE_VARS["_serve_cache_mounts"].items()}

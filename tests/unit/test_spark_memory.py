@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 from spark_memory import MemoryBudgetError, parse_meminfo, spark_memory_budget, spark_memory_guard_kib
 
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 SPARK_TOTAL_KIB = 125_519_668  # a 128 GB Spark: MemTotal ~119.7 GiB
-KNOBS = {"guard_term_bytes": 3 * GIB, "guard_kill_bytes": 3 * GIB // 2, "margin_bytes": 3 * GIB}
+# the shipped defaults (group_vars/all): the budget's knobs and the utilization
+_BUDGET = yaml.safe_load((ROOT / "group_vars/all/memory.yml").read_text())
+DEFAULT_UTIL = yaml.safe_load((ROOT / "group_vars/all/main.yml").read_text())["vllm_gpu_memory_utilization"]
+KNOBS = {"guard_term_bytes": _BUDGET["spark_memory_guard_term_bytes"],
+         "guard_kill_bytes": _BUDGET["spark_memory_guard_kill_bytes"],
+         "margin_bytes": _BUDGET["spark_memory_margin_bytes"]}
 
 
 def meminfo(total_kib: int, avail_kib: int) -> str:
@@ -27,25 +36,46 @@ def test_parse_meminfo_gives_bytes():
         parse_meminfo("MemTotal: 1 kB\n")
 
 
+def test_the_shipped_headroom_is_the_fields():
+    """Issue 45: at least 12 GiB beside vLLM's reservation. 3 GiB guard line + 14 GiB margin = 17 GiB, so
+    MemAvailable at READY stays >= 14 GiB (Entrpi's validated lower bound) after vLLM's ~3 GiB beyond it."""
+    assert KNOBS["guard_term_bytes"] == 3 * GIB and KNOBS["guard_kill_bytes"] == 3 * GIB // 2
+    assert KNOBS["margin_bytes"] == 14 * GIB
+    assert DEFAULT_UTIL == 0.80
+
+
 def test_headless_spark_at_the_default_utilization_fits():
-    b = spark(5, 0.85)
+    b = spark(5, DEFAULT_UTIL)
     assert b["ok"], b["message"]
     # vLLM's request_memory: ceil(total x utilization)
-    assert b["reserved_bytes"] == -(-SPARK_TOTAL_KIB * 1024 * 85 // 100)
+    assert b["reserved_bytes"] == -(-SPARK_TOTAL_KIB * 1024 * 80 // 100)
+    assert 95.7 * GIB < b["reserved_bytes"] < 95.8 * GIB
     assert b["left_bytes"] == SPARK_TOTAL_KIB * 1024 - 5 * GIB - b["reserved_bytes"]
-    assert 12 * GIB < b["left_bytes"] < 13 * GIB
-    assert b["required_bytes"] == 6 * GIB and b["guard_term_kib"] == 3 * (1 << 20)
+    assert 18.9 * GIB < b["left_bytes"] < 19 * GIB
+    assert b["required_bytes"] == 17 * GIB and b["guard_term_kib"] == 3 * (1 << 20)
     assert "refused" not in b["message"]
+    # (119.7 - 5 - 17) / 119.7 = 0.816 -> 0.81; 0.80 still fits with up to 6.9 GiB in use
+    assert b["max_utilization"] == 0.81
+    assert spark(6.9, DEFAULT_UTIL)["ok"] and not spark(7, DEFAULT_UTIL)["ok"]
+
+
+def test_the_old_default_is_refused_headless_now():
+    # 0.85 left ~13 GiB headless: below the 17 GiB the field's figures ask for
+    b = spark(5, 0.85)
+    assert not b["ok"] and 12.9 * GIB < b["left_bytes"] < 13 * GIB
+    assert "lower vllm_gpu_memory_utilization to 0.81 or less" in b["message"]
+    assert "boot to multi-user.target" not in b["message"]
 
 
 def test_the_desktop_at_the_default_utilization_is_refused_with_both_fixes():
     # graphical.target active: the desktop's 16 GiB count even if it holds less right after login
-    b = spark(4, 0.85, desktop_bytes=16 * GIB, desktop_active=True)
+    b = spark(4, DEFAULT_UTIL, desktop_bytes=16 * GIB, desktop_active=True)
     assert not b["ok"]
     assert b["in_use_bytes"] == 16 * GIB and b["measured_in_use_bytes"] == 4 * GIB
-    # (119.7 - 16 - 6) / 119.7 = 0.816 -> 0.81
-    assert b["max_utilization"] == 0.81
-    assert "lower vllm_gpu_memory_utilization to 0.81 or less" in b["message"]
+    assert 7.9 * GIB < b["left_bytes"] < 8 * GIB
+    # (119.7 - 16 - 17) / 119.7 = 0.724 -> 0.72
+    assert b["max_utilization"] == 0.72
+    assert "lower vllm_gpu_memory_utilization to 0.72 or less" in b["message"]
     assert "boot to multi-user.target" in b["message"]
     assert "the desktop's 16.0 GiB: graphical.target is active" in b["message"]
     # the printed value fits
@@ -59,12 +89,12 @@ def test_a_measured_figure_above_the_desktop_share_wins():
 
 
 def test_the_desktop_share_is_not_counted_headless():
-    assert spark(4, 0.85, desktop_bytes=16 * GIB, desktop_active=False)["ok"]
+    assert spark(4, DEFAULT_UTIL, desktop_bytes=16 * GIB, desktop_active=False)["ok"]
 
 
 def test_in_use_override_when_a_server_already_runs():
     # the box now holds a running server (100 GiB in use): the recorded figure is used instead
-    b = spark(100, 0.85, in_use_bytes=5 * GIB)
+    b = spark(100, DEFAULT_UTIL, in_use_bytes=5 * GIB)
     assert b["ok"] and b["in_use_bytes"] == 5 * GIB
 
 

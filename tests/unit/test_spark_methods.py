@@ -185,7 +185,7 @@ def test_argv_common_options(catalogue, method):
     assert opt(argv, "--host") == "127.0.0.1"
     assert opt(argv, "--port") == "8000"
     assert opt(argv, "--max-model-len") == "262144"
-    assert opt(argv, "--gpu-memory-utilization") == "0.85"
+    assert opt(argv, "--gpu-memory-utilization") == "0.8"  # group_vars/all/main.yml
     assert opt(argv, "--reasoning-parser") == "qwen3"
     # prefix caching is always explicit, one way or the other (0.26.0 turns it on for hybrids)
     assert ("--enable-prefix-caching" in argv) != ("--no-enable-prefix-caching" in argv)

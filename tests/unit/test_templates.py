@@ -267,6 +267,54 @@ def test_method_server_env_reaches_only_that_methods_container(tmp_path: Path, m
         assert "VLLM_USE_V2_MODEL_RUNNER" not in (tmp_path / f"{method}.env").read_text()
 
 
+def _role_expr(role: str, name: str, **ctx: Any) -> Any:
+    """A role's vars/main.yml expression rendered as Ansible does (native types, Ansible's filters)."""
+    import jinja2.nativetypes
+    e = jinja2.nativetypes.NativeEnvironment(undefined=jinja2.StrictUndefined)
+    e.filters.update(CoreFilters().filters())
+    e.filters.update(SparkMethodFilters().filters())
+    expr = yaml.safe_load((ROLES / role / "vars" / "main.yml").read_text())[name]
+    return e.from_string(expr.strip()).render(**ctx)
+
+
+@pytest.mark.parametrize("runtime", ["container", "venv"])
+@pytest.mark.parametrize("conf", ["shipped", ""])
+def test_the_pytorch_allocator_setting_reaches_the_server_and_the_ray_processes(tmp_path: Path, conf: str,
+                                                                                 runtime: str) -> None:
+    """Issue 45: spark_pytorch_cuda_alloc_conf (group_vars/all/memory.yml, expandable_segments:False) is in
+    the server container's environment, as the rendered unit runs it, and in every Ray process's (the model
+    runs there with the Ray backend, and vLLM copies no PYTORCH_ variable to it); "" sets nothing (PyTorch's
+    default)."""
+    memory = yaml.safe_load((ROOT / "group_vars/all/memory.yml").read_text())
+    shipped = memory["spark_pytorch_cuda_alloc_conf"]
+    assert shipped == "expandable_segments:False"
+    value = shipped if conf == "shipped" else ""
+    knobs = {"spark_pytorch_cuda_alloc_conf": value, "spark_cuda_cache_max_bytes": 4294967296,
+             "vllm_lm_head_int8": False, "serve_container_env": {"VLLM_LOGGING_LEVEL": "INFO"}}
+    opts = _role_expr("serve", "_serve_docker_opts", serve_container_gpus="all", spark_model_dir="/srv/model",
+                      serve_model_path="/model", _serve_mount_hf_token=False,
+                      serve_flashinfer_jit_verbose=False, serve_container_extra_args=[], **knobs)
+    ctx = serve_ctx(tmp_path, "mtp", "/etc/sparkllm/cluster.env")
+    ctx["_serve_docker_opts"] = opts
+    got = container_args(tmp_path, ctx)
+    server = [a for a in got[got.index("--entrypoint") + 2:got.index(IMAGE)] if a.startswith("--env=")]
+    want = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"
+    assert server.count(f"--env={want}") == (1 if value else 0)
+    assert value or not any("PYTORCH_CUDA_ALLOC_CONF" in a for a in got)
+
+    ray = ray_ctx(runtime, head=False)
+    ray["_ray_cluster_server_env"] = _role_expr("ray_cluster", "_ray_cluster_server_env", spec_method="mtp",
+                                                spark_method_catalogue=catalogue(), **knobs)
+    unit = render("sparkllm-ray.service.j2", **ray)
+    if runtime == "container":
+        argv = shlex.split(unit_value(unit, "ExecStart")[0])
+        ray_env = {argv[i + 1] for i, a in enumerate(argv) if a == "--env"}
+    else:
+        ray_env = set(unit_value(unit, "Environment"))
+    assert (want in ray_env) is bool(value)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in unit or value
+
+
 def test_vllm_env_file_names_the_method_and_no_secret(tmp_path: Path) -> None:
     text = render("sparkllm-vllm.env.j2", **serve_ctx(tmp_path, "ngram"))
     assert "SPARKLLM_SERVE_METHOD=ngram\n" in text
@@ -456,6 +504,32 @@ def test_cluster_env_lists_every_variable_sorted() -> None:
     )
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert lines == [f"{k}={v}" for k, v in sorted(env_.items())]
+
+
+def _link_env(**settings: Any) -> dict[str, str]:
+    """roles/spark_link's _spark_link_env (vars/main.yml) evaluated for one node's settings."""
+    expr = yaml.safe_load((ROLES / "spark_link" / "vars" / "main.yml").read_text())["_spark_link_env"]
+    ctx = {**defaults("spark_link"), "_spark_link_iface": "enp1s0f0np0", "_spark_link_hcas": ["rocep1s0f1"],
+           "spark_cluster_rdma": True, "spark_link_host_ip": "192.168.100.10", "spark_vllm_dist_port": 29600,
+           **settings}
+    return env().compile_expression(expr.strip().removeprefix("{{").removesuffix("}}"))(**ctx)
+
+
+@pytest.mark.parametrize("rdma", [True, False])
+def test_cluster_env_carries_the_nodes_gid_index_only_when_set(rdma: bool) -> None:
+    """spark_link_nccl_ib_gid_index: "" leaves NCCL_IB_GID_INDEX out (NCCL's own choice, its default -1:
+    NVIDIA/nccl v2.31.2-1 src/transport/net_ib/connect.cc, NCCL_PARAM(IbGidIndex, "IB_GID_INDEX", -1));
+    a node's value, 0 included, is written as it is."""
+    assert "NCCL_IB_GID_INDEX" not in _link_env(spark_cluster_rdma=rdma)
+    for value, text in ((5, "5"), ("3", "3"), (0, "0")):
+        got = _link_env(spark_cluster_rdma=rdma, spark_link_nccl_ib_gid_index=value)
+        assert got["NCCL_IB_GID_INDEX"] == text
+        lines = render("cluster.env.j2", inventory_hostname="spark-a", _spark_link_iface="enp1s0f0np0",
+                       _spark_link_env=got).splitlines()
+        assert f"NCCL_IB_GID_INDEX={text}" in lines
+    # the owner's spark_link_env_extra still has the last word
+    assert _link_env(spark_link_nccl_ib_gid_index=5,
+                     spark_link_env_extra={"NCCL_IB_GID_INDEX": "7"})["NCCL_IB_GID_INDEX"] == "7"
 
 
 # ------------------------------------------------------------------ Dockerfile
