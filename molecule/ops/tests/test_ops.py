@@ -109,6 +109,9 @@ def test_a_wedged_server_is_restarted_after_two_failed_probes(host):
         assert host.check_output("pgrep -x vllm") == pid
         wait_until(lambda: "restarting after 2 failed probes" in journal(host, t0, "-t", "sparkllm-watchdog"),
                    45, "the watchdog's restart")
+        # the line comes before its `systemctl restart` stops the old process: keep the wedge until the unit
+        # is a new invocation, or the old process answers /health again and the restart lands in the next test
+        wait_until(lambda: invocation(host, UNIT) != before, 30, "the unit's new invocation")
     finally:
         host.check_output(f"rm -f {WEDGE}")
     log = journal(host, t0, "-t", "sparkllm-watchdog")
