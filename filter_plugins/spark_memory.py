@@ -18,6 +18,11 @@ SIGTERM line. So the budget is:
 
 and a deploy is refused when ``left < required``, naming the highest utilization that fits. The
 guard's lines are the same figures in KiB, as earlyoom's ``-M SIZE,KILL_SIZE`` takes them.
+
+The fraction vLLM is given is computed here too, once: ``spark_memory_utilization`` checks the knob
+against the one bound ``GPU_MEMORY_MAX`` and lowers it to the method's ``gpu_memory_utilization_cap``
+(group_vars/all/methods.yml); the serve argv (filter_plugins/spark_methods.py) and the preflight budget
+(roles/preflight/tasks/budget.yml) both read it from here.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from __future__ import annotations
 import math
 
 GIB = 1 << 30
+# The highest vllm_gpu_memory_utilization accepted, the one bound of every check of it:
+# group_vars/all/main.yml documents the knob as a "float in (0, 0.95]" (0.90 fails on some units).
+GPU_MEMORY_MAX = 0.95
+_CAP = "gpu_memory_utilization_cap"
 
 
 class MemoryBudgetError(ValueError):
@@ -43,6 +52,45 @@ def _int(name: str, value) -> int:
     if out < 0:
         raise MemoryBudgetError(f"{name}={value!r} is negative; set it to a number of bytes >= 0")
     return out
+
+
+def utilization_error(value) -> str | None:
+    """None when ``value`` is a fraction in (0, GPU_MEMORY_MAX], else the message naming it and the fix."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return (f"vllm_gpu_memory_utilization={value!r} is not a number; set it to a fraction "
+                f"in (0, {GPU_MEMORY_MAX}], e.g. 0.8")
+    if not 0 < value <= GPU_MEMORY_MAX:
+        return (f"vllm_gpu_memory_utilization={value!r} is out of range; set it to a fraction "
+                f"in (0, {GPU_MEMORY_MAX}], e.g. 0.8 (0.90 fails on some units)")
+    return None
+
+
+def _fraction(value) -> float:
+    """The knob as a float (a string such as "0.8" from -e is read as its number), checked."""
+    try:
+        util = float(value) if isinstance(value, str) else value
+    except ValueError:
+        util = value
+    error = utilization_error(util)
+    if error:
+        raise MemoryBudgetError(error)
+    return float(util)
+
+
+def spark_memory_utilization(utilization, catalogue, method) -> float:
+    """The fraction vLLM is given (--gpu-memory-utilization): the knob, checked, lowered to the method's
+    ``serve_flags.gpu_memory_utilization_cap`` where the catalogue sets one."""
+    util = _fraction(utilization)
+    if method not in (catalogue or {}):
+        raise MemoryBudgetError(f"spec_method={method!r} is not in spark_method_catalogue; set it to one of "
+                                f"{sorted(catalogue or {})}")
+    cap = (catalogue[method].get("serve_flags") or {}).get(_CAP)
+    if cap is None:
+        return util
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap <= GPU_MEMORY_MAX:
+        raise MemoryBudgetError(f"method {method!r}: serve_flags.{_CAP}={cap!r} is not a fraction in "
+                                f"(0, {GPU_MEMORY_MAX}]; fix it in group_vars/all/methods.yml")
+    return min(util, float(cap))
 
 
 def parse_meminfo(text: str) -> dict[str, int]:
@@ -86,14 +134,7 @@ def spark_memory_budget(meminfo, utilization, guard_term_bytes, guard_kill_bytes
     (a server already runs, so the measured figure counts it)."""
     info = parse_meminfo(meminfo) if isinstance(meminfo, str) else {k: int(v) for k, v in meminfo.items()}
     total, avail = info["MemTotal"], info["MemAvailable"]
-    try:
-        util = float(utilization)
-    except (TypeError, ValueError):
-        raise MemoryBudgetError(f"vllm_gpu_memory_utilization={utilization!r} is not a number; "
-                                "set it to a fraction such as 0.8") from None
-    if not 0 < util <= 1:
-        raise MemoryBudgetError(f"vllm_gpu_memory_utilization={util} is out of range; "
-                                "set it to a fraction in (0, 1]")
+    util = _fraction(utilization)
     term_kib, kill_kib = spark_memory_guard_kib(guard_term_bytes, guard_kill_bytes, total)
     margin = _int("spark_memory_margin_bytes", margin_bytes)
     desktop = _int("spark_memory_desktop_bytes", desktop_bytes)
@@ -127,11 +168,13 @@ def spark_memory_budget(meminfo, utilization, guard_term_bytes, guard_kill_bytes
         "measured_in_use_bytes": measured,
         "utilization": util, "reserved_bytes": reserved, "left_bytes": left, "required_bytes": required,
         "guard_term_kib": term_kib, "guard_kill_kib": kill_kib, "margin_bytes": margin,
-        "desktop_active": bool(desktop_active), "max_utilization": max(fit, 0.0), "ok": ok,
+        "desktop_active": bool(desktop_active), "max_utilization": min(max(fit, 0.0), GPU_MEMORY_MAX),
+        "ok": ok,
         "message": message,
     }
 
 
 class FilterModule:
     def filters(self):
-        return {"spark_memory_budget": spark_memory_budget, "spark_memory_guard_kib": spark_memory_guard_kib}
+        return {"spark_memory_budget": spark_memory_budget, "spark_memory_guard_kib": spark_memory_guard_kib,
+                "spark_memory_utilization": spark_memory_utilization}

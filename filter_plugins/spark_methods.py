@@ -27,10 +27,19 @@ import ipaddress
 import json
 import math
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
+
+# The memory fraction's one bound and computation live in the memory filter beside this one (Ansible loads a
+# filter plugin by its path, so its directory is put on the import path for it).
+_PLUGINS = str(Path(__file__).resolve().parent)
+if _PLUGINS not in sys.path:
+    sys.path.append(_PLUGINS)
+
+from spark_memory import GPU_MEMORY_MAX, spark_memory_utilization, utilization_error  # noqa: E402
 
 
 class CatalogueError(ValueError):
@@ -95,7 +104,6 @@ _MANAGED_OPTIONS = {
     "--api-key": "vllm_api_key_file (the key is passed in the environment, never in argv)",
     "--disable-log-stats": "a fixed choice: speculative decoding metrics need stats logging",
 }
-GPU_MEMORY_MAX = 0.95
 # vllm_load_format values: vLLM's loaders that read a safetensors checkpoint like ours ("" = leave
 # --load-format out, vLLM's "auto"). The contract suite checks each is registered in 0.19.1 and 0.20.0.
 LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors", "instanttensor", "runai_streamer")
@@ -262,9 +270,8 @@ def spark_method_settings_errors(settings: Mapping, catalogue: Mapping) -> list[
         errors.append(f"vllm_gpu_memory_utilization={gpu!r} is not a number"
                       f"{_type_hint('vllm_gpu_memory_utilization', gpu, 0.85)}; set it to a fraction "
                       f"in (0, {GPU_MEMORY_MAX}], e.g. 0.85")
-    elif not 0 < gpu <= GPU_MEMORY_MAX:
-        errors.append(f"vllm_gpu_memory_utilization={gpu!r} is out of range; set it to a fraction "
-                      f"in (0, {GPU_MEMORY_MAX}], e.g. 0.85 (0.90 fails on some units)")
+    elif utilization_error(gpu):
+        errors.append(utilization_error(gpu))
 
     if _check_int(errors, "vllm_max_model_len", _get(settings, "vllm_max_model_len"), 1, None,
                   example=262144):
@@ -535,10 +542,7 @@ def spark_serve_argv(settings: Mapping, catalogue: Mapping) -> list[str]:
                              f"{sorted(_KNOWN_SERVE_FLAGS)}")
 
     flags["attention_backend"] = spark_attention_backend(settings, catalogue)
-    gpu = _get(settings, "vllm_gpu_memory_utilization")
-    cap = flags.get("gpu_memory_utilization_cap")
-    if cap is not None:
-        gpu = min(gpu, cap)
+    gpu = spark_memory_utilization(_get(settings, "vllm_gpu_memory_utilization"), catalogue, method)
 
     argv = [
         _get(settings, "vllm_model_path"),

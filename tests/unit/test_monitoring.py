@@ -16,14 +16,17 @@ from pathlib import Path
 import jinja2
 import pytest
 import yaml
-from fixtures.standin_server import server
-from harness import dashboard_queries, grafana_check
+
+from tests.fixtures.standin_server import server
+from tests.harness import dashboard_queries, grafana_check
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "templates" / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
 ROLE = ROOT / "roles" / "spark_monitoring"
-DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+# the role's defaults over the project-wide facts it reads (group_vars/all/shared.yml: ports, unit prefix)
+DEFAULTS = {**yaml.safe_load((ROOT / "group_vars" / "all" / "shared.yml").read_text()),
+            **yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())}
 VARS = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())
 
 

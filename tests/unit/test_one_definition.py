@@ -31,11 +31,6 @@ ALLOWED: dict[str, str] = {
         "(no --master-port; vLLM's config/parallel.py default), for the firewall: the meaning of null, not a "
         "second default of the knob (the filter keeps None)"
     ),
-    "spark_distributed_backend": (
-        "default('ray', true) in roles/serve/vars and roles/ray_cluster/vars reads a null backend on two "
-        "Sparks as vLLM's own choice there (Ray): the meaning of null, not a second default of the knob "
-        "(group_vars/all/main.yml keeps null)"
-    ),
 }
 
 _FALLBACK = re.compile(r"(?<![.\w\]])([A-Za-z_][A-Za-z0-9_]*)\s*\|\s*default\(\s*([^,)]*)")
@@ -159,3 +154,118 @@ def test_absent_fallbacks_and_described_spec_defaults_are_not_definitions(tmp_pa
         "filter_plugins/f.py": "v = s.get('x_dir')\n",
     })
     assert twice(root) == {}
+
+
+# --- Issue 48: a fact more than one role reads lives once in group_vars/all, read by its name ---------
+# No role reads another role's files (a lookup of its defaults/main.yml), and nothing gives a group_vars/all
+# knob a second default with ``| default(...)``: the knob is always defined (molecule links the project's
+# group_vars).
+
+# group_vars knob -> why its ``| default(...)`` stays (none today: no knob's fallback is needed).
+FALLBACK_ALLOWED: dict[str, str] = {}
+
+_ROLE_DIRS = ("defaults", "vars", "tasks", "handlers", "meta", "templates", "files")
+# role_path ~ '/../other/...' (one level up: another role; '/../../' is the project's own templates/)
+_ROLE_PATH_UP = re.compile(r"role_path\W[^\n]*?(?<!\.)/\.\./(?!\.\./)(?P<role>[A-Za-z_]\w*)/")
+_ROLES_DIR = re.compile(r"(?<![\w.])roles/(?P<role>[A-Za-z_]\w*)/(?:" + "|".join(_ROLE_DIRS) + r")/")
+
+
+def _code(path: Path) -> str:
+    """The file's text with its YAML comment lines and Jinja comments blanked (line numbers kept)."""
+    text = re.sub(r"\{#.*?#\}", lambda m: "\n" * m[0].count("\n"), path.read_text(encoding="utf-8"),
+                  flags=re.DOTALL)
+    return "\n".join("" if line.lstrip().startswith("#") else line for line in text.splitlines())
+
+
+def _scanned(root: Path) -> list[Path]:
+    """The files Ansible reads: every role's YAML and templates, the playbooks, the top-level templates."""
+    files = [f for d in _ROLE_DIRS for f in sorted(root.glob(f"roles/*/{d}/**/*"))
+             if f.suffix in (".yml", ".j2")]
+    return files + sorted(root.glob("playbooks/**/*.yml")) + sorted(root.glob("templates/**/*.j2"))
+
+
+def cross_role_reads(root: Path) -> list[str]:
+    """``path:line -> role`` for every file that names another role's files."""
+    out = []
+    for f in _scanned(root):
+        rel = f.relative_to(root)
+        own = rel.parts[1] if rel.parts[0] == "roles" else None
+        for i, line in enumerate(_code(f).splitlines(), 1):
+            for m in list(_ROLE_PATH_UP.finditer(line)) + list(_ROLES_DIR.finditer(line)):
+                if m["role"] != own:
+                    out.append(f"{rel}:{i} -> {m['role']}")
+    return out
+
+
+def group_vars_keys(root: Path) -> set[str]:
+    return {k for f in sorted((root / "group_vars" / "all").glob("*.yml")) for k in (_load(f) or {})}
+
+
+def group_vars_fallbacks(root: Path) -> list[str]:
+    """``path:line name`` of every ``NAME | default(`` (or ``NAME.key | default(``) of a group_vars key.
+    An entry looked up by a variable (``NAME[spec_method] | default(0)``: a method without one) is not the
+    knob's default and is not counted."""
+    keys = group_vars_keys(root)
+    if not keys:
+        return []
+    names = "|".join(sorted(map(re.escape, keys), key=len, reverse=True))
+    rx = re.compile(r"(?<![.\w\]])(?P<name>" + names + r")(?![\w\[])(?:\.\w+)*\s*\|\s*default\s*\(")
+    out = []
+    for f in _scanned(root):
+        text = _code(f)
+        for m in rx.finditer(text):
+            out.append(f"{f.relative_to(root)}:{text.count(chr(10), 0, m.start()) + 1} {m['name']}")
+    return out
+
+
+def test_no_role_reads_another_roles_files() -> None:
+    assert len(_scanned(ROOT)) > 100  # the scan reads the project
+    found = cross_role_reads(ROOT)
+    assert not found, ("a role reads another role's files; move the fact to group_vars/all (shared.yml) "
+                       "and read it by its name:\n  " + "\n  ".join(found))
+
+
+def test_no_group_vars_knob_gets_a_second_default() -> None:
+    keys = group_vars_keys(ROOT)
+    assert {"spec_method", "serve_unit_prefix", "spark_cluster_backend"} <= keys
+    found = [p for p in group_vars_fallbacks(ROOT) if p.rsplit(" ", 1)[1] not in FALLBACK_ALLOWED]
+    assert not found, ("a group_vars/all knob with a second default (group_vars always defines it: drop the "
+                       "| default(...)):\n  " + "\n  ".join(found))
+
+
+def test_every_allowed_fallback_is_still_used() -> None:
+    used = {p.rsplit(" ", 1)[1] for p in group_vars_fallbacks(ROOT)}
+    for name, reason in FALLBACK_ALLOWED.items():
+        assert reason.strip() and name in used, f"FALLBACK_ALLOWED[{name!r}] is unused: remove it"
+
+
+@pytest.mark.parametrize(("text", "found"), [
+    pytest.param("x_dir: \"{{ (lookup('file', role_path ~ '/../b/defaults/main.yml') | from_yaml).d }}\"\n",
+                 ["roles/a/defaults/main.yml:1 -> b"], id="lookup-of-another-role"),
+    pytest.param("x_tpl: \"{{ playbook_dir }}/../roles/b/templates/t.j2\"\n",
+                 ["roles/a/defaults/main.yml:1 -> b"], id="roles-path"),
+    pytest.param("x_tpl: \"{{ role_path }}/../../templates/t.j2\"\n", [], id="project-templates"),
+    pytest.param("x_own: \"{{ role_path }}/../a/files/f\"\n", [], id="own-role"),
+    pytest.param("# role_path ~ '/../b/defaults/main.yml' (a comment)\nx: 1\n", [], id="comment"),
+    pytest.param("x: 1\n{# roles/b/files/f (a Jinja comment\n  over lines) #}\ny: roles/b/files/f\n",
+                 ["roles/a/defaults/main.yml:4 -> b"], id="jinja-comment"),
+])
+def test_a_cross_role_read_is_found(tmp_path: Path, text: str, found: list[str]) -> None:
+    root = _tree(tmp_path, {"roles/a/defaults/main.yml": text, "roles/b/defaults/main.yml": "d: /x\n"})
+    assert cross_role_reads(root) == found
+
+
+@pytest.mark.parametrize(("text", "found"), [
+    pytest.param("when: x_port | default(1) | int > 0\n", ["roles/r/tasks/main.yml:1 x_port"], id="literal"),
+    pytest.param("a: \"{{ x_ports.gcs|default(6379) }}\"\n", ["roles/r/tasks/main.yml:1 x_ports"], id="item"),
+    pytest.param("a: >-\n  {{ x_port\n     | default(none) }}\n", ["roles/r/tasks/main.yml:2 x_port"],
+                 id="multi-line"),
+    pytest.param("a: \"{{ x_port_other | default(1) }}\"\n", [], id="longer-name"),
+    pytest.param("a: \"{{ x_ports[spec_method] | default(0) }}\"\n", [], id="entry-by-variable"),
+    pytest.param("a: \"{{ hv.x_port | default(1) }}\"\n", [], id="another-hosts-attribute"),
+    pytest.param("a: \"{{ x_port }}\"\n# x_port | default(1)\n", [], id="no-fallback"),
+])
+def test_a_group_vars_fallback_is_found(tmp_path: Path, text: str, found: list[str]) -> None:
+    root = _tree(tmp_path, {"group_vars/all/a.yml": "x_port: 1\nx_ports: {gcs: 6379}\n",
+                            "roles/r/tasks/main.yml": text})
+    assert group_vars_fallbacks(root) == found

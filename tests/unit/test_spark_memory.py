@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from spark_memory import MemoryBudgetError, parse_meminfo, spark_memory_budget, spark_memory_guard_kib
+from spark_memory import (
+    GPU_MEMORY_MAX,
+    MemoryBudgetError,
+    parse_meminfo,
+    spark_memory_budget,
+    spark_memory_guard_kib,
+    spark_memory_utilization,
+    utilization_error,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -140,3 +148,75 @@ def test_guard_lines_without_facts_skip_only_the_memtotal_check():
         spark_memory_guard_kib(1 << 30, 2 << 30, None)
     with pytest.raises(MemoryBudgetError):
         spark_memory_guard_kib(8 << 30, 1 << 30, 4 << 30)
+
+
+# --- The fraction vLLM is given: one computation, one bound (issue 48) --------------------------------------
+CATALOGUE = yaml.safe_load((ROOT / "group_vars/all/methods.yml").read_text())["spark_method_catalogue"]
+
+
+def test_the_bound_is_the_one_group_vars_documents():
+    assert GPU_MEMORY_MAX == 0.95
+    assert "float in (0, 0.95]" in (ROOT / "group_vars/all/main.yml").read_text()
+
+
+@pytest.mark.parametrize(("method", "util", "want"), [
+    ("mtp", 0.80, 0.80),        # no cap: the knob
+    ("mtp", 0.95, 0.95),        # the bound itself
+    ("dflash", 0.90, 0.85),     # methods.yml: dflash caps it at 0.85
+    ("dflash", 0.70, 0.70),     # below the cap: the knob
+    ("baseline", "0.8", 0.8),   # a string from -e is read as its number
+])
+def test_the_effective_fraction(method, util, want):
+    assert spark_memory_utilization(util, CATALOGUE, method) == want
+
+
+@pytest.mark.parametrize(("util", "message"), [
+    (0.96, "vllm_gpu_memory_utilization=0.96 is out of range; set it to a fraction in (0, 0.95]"),
+    (1, "vllm_gpu_memory_utilization=1 is out of range; set it to a fraction in (0, 0.95]"),
+    (0, "vllm_gpu_memory_utilization=0 is out of range"),
+    (-0.5, "vllm_gpu_memory_utilization=-0.5 is out of range"),
+    ("lots", "vllm_gpu_memory_utilization='lots' is not a number; set it to a fraction in (0, 0.95]"),
+    (None, "vllm_gpu_memory_utilization=None is not a number"),
+    (True, "vllm_gpu_memory_utilization=True is not a number"),
+    (float("nan"), "vllm_gpu_memory_utilization=nan is not a number"),
+])
+def test_a_bad_fraction_is_named_with_the_bound(util, message):
+    with pytest.raises(MemoryBudgetError) as err:
+        spark_memory_utilization(util, CATALOGUE, "mtp")
+    assert message in str(err.value)
+    if not isinstance(util, str):  # (the settings check names a string itself, with the -e JSON hint)
+        assert message in utilization_error(util)
+
+
+def test_the_budget_has_the_same_bound():
+    """The budget checked (0, 1] before: 0.96 passed preflight's budget and failed the serve settings."""
+    assert spark(5, 0.5, margin_bytes=GIB)["ok"]
+    bound = r"=0\.96 is out of range; set it to a fraction in \(0, 0\.95\]"
+    with pytest.raises(MemoryBudgetError, match=bound):
+        spark(5, 0.96)
+
+
+def test_the_serve_settings_and_argv_use_the_same_fraction():
+    from spark_methods import SETTING_DEFAULTS, spark_method_settings_errors, spark_serve_argv
+
+    def settings(**kw):
+        return {**SETTING_DEFAULTS, **yaml.safe_load((ROOT / "group_vars/all/main.yml").read_text()),
+                "vllm_model_path": "/model", **kw}
+
+    errors = spark_method_settings_errors(settings(vllm_gpu_memory_utilization=0.96), CATALOGUE)
+    assert any(utilization_error(0.96) == e for e in errors), errors
+    argv = spark_serve_argv(settings(spec_method="dflash", vllm_gpu_memory_utilization=0.9), CATALOGUE)
+    got = float(argv[argv.index("--gpu-memory-utilization") + 1])
+    assert got == spark_memory_utilization(0.9, CATALOGUE, "dflash") == 0.85
+
+
+@pytest.mark.parametrize(("catalogue", "method", "message"), [
+    ({"m": {"serve_flags": {"gpu_memory_utilization_cap": 1.2}}}, "m",
+     "method 'm': serve_flags.gpu_memory_utilization_cap=1.2 is not a fraction in (0, 0.95]"),
+    ({"m": {"serve_flags": {}}}, "x",
+     "spec_method='x' is not in spark_method_catalogue; set it to one of ['m']"),
+])
+def test_a_bad_cap_or_method_is_named(catalogue, method, message):
+    with pytest.raises(MemoryBudgetError) as err:
+        spark_memory_utilization(0.8, catalogue, method)
+    assert message in str(err.value)
