@@ -1,4 +1,4 @@
-"""Ansible filters of the stage shortcut; the logic is scripts/sparkllm/stage.py (docs/layout.md).
+"""Ansible filters of the stage shortcut; the logic is scripts/sparkllm/stage/gate.py (docs/layout.md).
 
 - ``spark_stage_gate``: the decision (``current``, ``fingerprint``, ``reason``) for one stage.
 - ``spark_stage_input_names``: the knobs a stage declares in playbooks/vars/stages.yml.
@@ -16,7 +16,7 @@ _SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
 if _SCRIPTS not in sys.path:
     sys.path.append(_SCRIPTS)
 
-from sparkllm.stage import after_record, gate, input_names  # noqa: E402
+from sparkllm.stage.gate import after_record, gate, input_names  # noqa: E402
 
 
 def spark_stage_gate(stage, hostvars, probe, force=False):

@@ -39,7 +39,7 @@ print(json.dumps(out))
 
 def spark_tools_files(scripts_dir: str, scripts: Sequence[str]) -> list[dict]:
     """What the role copies: each listed tool of ``scripts_dir`` (mode 0755), then every module of its
-    ``sparkllm`` package (0644, sorted), as {src, dest, mode}."""
+    ``sparkllm`` package and of its subpackages (0644, sorted by path), as {src, dest, mode}."""
     if isinstance(scripts, (str, bytes)) or not all(isinstance(s, str) for s in scripts):
         raise ValueError(f"spark_tools_scripts must be a list of file names, got {scripts!r}")
     root = Path(scripts_dir)
@@ -47,9 +47,16 @@ def spark_tools_files(scripts_dir: str, scripts: Sequence[str]) -> list[dict]:
     if missing:
         raise ValueError(f"spark_tools_scripts names files that are not in {root}: {', '.join(missing)}")
     out = [{"src": str(root / s), "dest": s, "mode": "0755"} for s in scripts]
-    out += [{"src": str(p), "dest": f"sparkllm/{p.name}", "mode": "0644"}
-            for p in sorted((root / "sparkllm").glob("*.py"))]
+    out += [{"src": str(p), "dest": p.relative_to(root).as_posix(), "mode": "0644"}
+            for p in sorted((root / "sparkllm").rglob("*.py")) if "__pycache__" not in p.parts]
     return out
+
+
+def spark_tools_dirs(files: Sequence[Mapping[str, Any]], base: str) -> list[str]:
+    """The directories under ``base`` the entries of ``files`` need (``sparkllm`` and its subpackages),
+    parents first, for the role to create before it copies."""
+    dirs = {str(parent) for f in files for parent in Path(f["dest"]).parents if str(parent) != "."}
+    return [f"{base.rstrip('/')}/{d}" for d in sorted(dirs, key=lambda d: (d.count("/"), d))]
 
 
 def spark_tools_stale(files: Sequence[Mapping[str, Any]], present: Mapping[str, Sequence[Any]]) -> list[dict]:
@@ -73,8 +80,8 @@ def spark_tools_probe(_: Any = None) -> str:
 
 
 class FilterModule:
-    """Ansible filters: spark_tools_files, spark_tools_stale, spark_tools_probe."""
+    """Ansible filters: spark_tools_files, spark_tools_dirs, spark_tools_stale, spark_tools_probe."""
 
     def filters(self):
-        return {"spark_tools_files": spark_tools_files, "spark_tools_stale": spark_tools_stale,
-                "spark_tools_probe": spark_tools_probe}
+        return {"spark_tools_files": spark_tools_files, "spark_tools_dirs": spark_tools_dirs,
+                "spark_tools_stale": spark_tools_stale, "spark_tools_probe": spark_tools_probe}

@@ -87,14 +87,14 @@ mtp_tensors:
 from pathlib import Path  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.sparkllm.checkpoint import (  # noqa: E402
+from ansible.module_utils.sparkllm.checkpoint.hybrid import (  # noqa: E402
     EXTRA_FILE,
     CheckpointError,
     apply_mtp_patch,
     plan_mtp_patch,
 )
+from ansible.module_utils.sparkllm.checkpoint.safetensors_io import SafetensorsError  # noqa: E402
 from ansible.module_utils.sparkllm.outdir import OutputRefused  # noqa: E402
-from ansible.module_utils.sparkllm.safetensors_io import SafetensorsError  # noqa: E402
 
 
 def main() -> None:

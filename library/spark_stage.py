@@ -1,7 +1,7 @@
 #!/usr/bin/python
 """Ansible module: the per-stage records of site.yml on a host (probe them all, or record one).
 
-The logic is scripts/sparkllm/stage.py (shipped as ansible.module_utils.sparkllm.stage), the one
+The logic is scripts/sparkllm/stage/gate.py (shipped as ansible.module_utils.sparkllm.stage.gate), the one
 implementation of the stage shortcut; this file is its Ansible interface."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import secrets
 from datetime import UTC, datetime
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.sparkllm.stage import (
+from ansible.module_utils.sparkllm.stage.gate import (
     FACT,
     OUTPUT_KINDS,
     observe,

@@ -2,7 +2,7 @@
 """Benchmark runner, results store and report for speculative decoding on an OpenAI/vLLM server.
 
 The entry point of ``bench.py {run,import,lookup,report,fetch-prompts}`` (``--help`` for each; the
-subcommands, exit codes and ``--meta-json`` keys are described in ``sparkllm/bench_cli.py``).
+subcommands, exit codes and ``--meta-json`` keys are described in ``sparkllm/bench/cli.py``).
 The code lives in the ``sparkllm`` package, one module per part:
 
 ``bench_common``     paths, the usage/failure errors, the clock
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from sparkllm.bench_cli import build_parser, main
+from sparkllm.bench.cli import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

@@ -59,7 +59,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from sparkllm.checkpoint import CheckpointError
+from sparkllm.checkpoint.hybrid import CheckpointError
+from sparkllm.checkpoint.safetensors_io import SafetensorsError
 from sparkllm.cli import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -70,7 +71,7 @@ from sparkllm.cli import (
     sigterm_unwinds,
     subcommands,
 )
-from sparkllm.fetch_common import (
+from sparkllm.fetch.common import (
     CREATED,
     TOOL,
     FetchError,
@@ -84,10 +85,9 @@ from sparkllm.fetch_common import (
     read_token,
     refuse_output,
 )
-from sparkllm.fetch_hub import HfHubClient, HubClient, RemoteFile, hub_fetch, verify_file
-from sparkllm.fetch_mirror import copy_verified, mirror_fetch, verified_files, write_manifest
-from sparkllm.fetch_remote import Remote, fp8_extract, select_tensors
-from sparkllm.safetensors_io import SafetensorsError
+from sparkllm.fetch.hub import HfHubClient, HubClient, RemoteFile, hub_fetch, verify_file
+from sparkllm.fetch.mirror import copy_verified, mirror_fetch, verified_files, write_manifest
+from sparkllm.fetch.remote import Remote, fp8_extract, select_tensors
 
 __all__ = [
     "FetchError", "HfHubClient", "HubClient", "NetworkError", "Remote", "RemoteFile", "UsageError",

@@ -78,7 +78,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparkllm.checkpoint import (
+from sparkllm.checkpoint.hybrid import (
     EXTRA_FILE,
     MANIFEST_NAME,
     SOURCE_RECORD,
@@ -94,10 +94,7 @@ from sparkllm.checkpoint import (
     plan_shard,
     read_source_record,
 )
-from sparkllm.cli import UsageError, doc_parser, run_main
-from sparkllm.fileio import atomic_path, existing_ancestor, free_bytes, fsync_dir, write_json_atomic
-from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool, write_marker
-from sparkllm.safetensors_io import (
+from sparkllm.checkpoint.safetensors_io import (
     INDEX_NAME,
     ByteRange,
     SafetensorsError,
@@ -107,6 +104,9 @@ from sparkllm.safetensors_io import (
     header_digest,
     read_header,
 )
+from sparkllm.cli import UsageError, doc_parser, run_main
+from sparkllm.fileio import atomic_path, existing_ancestor, free_bytes, fsync_dir, write_json_atomic
+from sparkllm.outdir import OutputRefused, check_output_dir, marker_tool, write_marker
 
 RECORD_NAME = ".sparkllm_merge.json"
 PROVENANCE_KEY = "sparkllm_provenance"

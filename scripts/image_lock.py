@@ -1,7 +1,7 @@
 """Lock the whole Python set of each vLLM image variant, for the Spark (Linux aarch64, CPython 3.12).
 
 What each stage of templates/Dockerfile.j2 installs (the one description of it is
-tests/contract/resolve_requirements.py ``install_sets``, which tests/unit/test_resolve_inputs.py holds to
+scripts/sparkllm/lock/resolve.py ``install_sets``, which tests/unit/test_resolve_inputs.py holds to
 the rendered Dockerfile) is resolved by pip's own resolver, dry run, for the target (``--platform``
 manylinux_2_39_aarch64 and every older tag glibc 2.39 accepts, ``--python-version 3.12
 --only-binary=:all:``, markers answered for Linux aarch64 CPython 3.12.3), and written as pip requirement
@@ -50,13 +50,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "contract"))
+from sparkllm.cli import UsageError, WorkFailed, doc_parser, run_main
+from sparkllm.fileio import atomic_write
+
 # the description of what each stage installs, and pip's target settings, live with the resolver the
-# contract suite runs: one place, held to the Dockerfile by tests/unit/test_resolve_inputs.py
-import resolve_requirements as rr  # noqa: E402
-from sparkllm.cli import UsageError, WorkFailed, doc_parser, run_main  # noqa: E402
-from sparkllm.fileio import atomic_write  # noqa: E402
+# contract suite runs (scripts/sparkllm/lock/resolve.py): one place, held to the Dockerfile by
+# tests/unit/test_resolve_inputs.py
+from sparkllm.lock import resolve as rr
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LOCKS = ROOT / "roles" / "vllm_build" / "files" / "locks"
 TARGET = "linux_aarch64, CPython 3.12 (glibc 2.39: Ubuntu 24.04, the base image's python3)"

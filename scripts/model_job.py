@@ -56,10 +56,10 @@ from typing import Any, TextIO
 from fetch_checkpoint import verified_files
 from hybrid_merge import merge_landed_shard
 from hybrid_merge import run as merge_run
-from sparkllm.checkpoint import EXTRA_FILE, CheckpointError, load_fp8_table, verify_checkpoint
+from sparkllm.checkpoint.hybrid import EXTRA_FILE, CheckpointError, load_fp8_table, verify_checkpoint
+from sparkllm.checkpoint.safetensors_io import SafetensorsError
 from sparkllm.cli import UsageError, WorkFailed, doc_parser, run_main
 from sparkllm.fileio import write_json_atomic
-from sparkllm.safetensors_io import SafetensorsError
 
 POLL_S = 0.5
 STOP_GRACE_S = 10.0

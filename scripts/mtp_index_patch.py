@@ -25,10 +25,10 @@ import json
 import sys
 from pathlib import Path
 
-from sparkllm.checkpoint import EXTRA_FILE, CheckpointError, apply_mtp_patch, plan_mtp_patch
+from sparkllm.checkpoint.hybrid import EXTRA_FILE, CheckpointError, apply_mtp_patch, plan_mtp_patch
+from sparkllm.checkpoint.safetensors_io import SafetensorsError
 from sparkllm.cli import doc_parser, run_main
 from sparkllm.outdir import OutputRefused
-from sparkllm.safetensors_io import SafetensorsError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -231,7 +231,7 @@ def known_knobs(root: Path = ROOT) -> set[str]:
 
 def stage_knobs(stage: str, root: Path = ROOT) -> list[str]:
     """The knobs of one stage, derived (module docstring), sorted."""
-    from sparkllm import stage as st
+    from sparkllm.stage import gate as st
 
     decl = st.declarations(root)[stage]
     known = known_knobs(root)

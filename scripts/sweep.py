@@ -70,10 +70,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkllm import bench_analysis, bench_cli, bench_rate, bench_report, bench_store
+from sparkllm.bench import analysis as bench_analysis
+from sparkllm.bench import cli as bench_cli
+from sparkllm.bench import rate as bench_rate
+from sparkllm.bench import report as bench_report
+from sparkllm.bench import store as bench_store
 from sparkllm.cli import UsageError, doc_parser, run_main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# the filters are the same code Ansible runs (filter_plugins/: the cell identity, the catalogue's K range)
+if str(REPO_ROOT / "filter_plugins") not in sys.path:
+    sys.path.append(str(REPO_ROOT / "filter_plugins"))
+import spark_bench  # noqa: E402
+import spark_methods  # noqa: E402
+
 SETTINGS_DIR = REPO_ROOT / "group_vars" / "all"
 BENCH_DEFAULTS = REPO_ROOT / "roles" / "bench" / "defaults" / "main.yml"
 RUNNER_DIRNAME = "runner"  # ansible-runner artifacts of every cell, under the results directory
@@ -88,19 +98,8 @@ SERVE_TAGS = "cluster,serve"
 DEFAULT_K = {"dflash": [5, 8, 12]}
 
 
-def _filter_plugin(name: str) -> Any:
-    """A module of filter_plugins/ (the same code Ansible runs)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_{name}", REPO_ROOT / "filter_plugins" / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 # The cell identity, one implementation with the bench role's (filter_plugins/spark_bench.py).
-_CELLS = _filter_plugin("spark_bench")
+_CELLS = spark_bench
 # the bench role's load-point lists: what a cell is measured at, not what is served (not in the hash)
 LOAD_POINT_VARS = _CELLS.LOAD_POINT_VARS
 
@@ -259,14 +258,7 @@ def ansible_runner_run(req: RunRequest) -> RunOutcome:
 
 def spec_tokens_range() -> tuple[int, int]:
     """The catalogue's limits on K (filter_plugins/spark_methods.py SPEC_TOKENS_RANGE)."""
-    import importlib.util
-
-    path = REPO_ROOT / "filter_plugins" / "spark_methods.py"
-    spec = importlib.util.spec_from_file_location("_spark_methods", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return tuple(mod.SPEC_TOKENS_RANGE)  # type: ignore[return-value]
+    return tuple(spark_methods.SPEC_TOKENS_RANGE)  # type: ignore[return-value]
 
 
 def parse_k(args: Sequence[str], catalogue: dict[str, Any]) -> dict[str, list[int]]:

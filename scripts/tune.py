@@ -196,7 +196,9 @@ def _main(a: argparse.Namespace, runner: sweep.Runner | None) -> int:
 def summary(results_dir: Path, config_hash: str) -> list[str]:
     """The report's summary lines of one configuration: its records figure beside the public records,
     and its fraction of the ceiling."""
-    from sparkllm import bench_ceiling, bench_records, bench_report
+    from sparkllm.bench import ceiling as bench_ceiling
+    from sparkllm.bench import records as bench_records
+    from sparkllm.bench import report as bench_report
 
     stats = [s for s in bench_report.method_table(bench_report.load_runs(results_dir), "baseline")
              if s.config_hash == config_hash]

@@ -31,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from sparkllm.checkpoint import verify_checkpoint
+from sparkllm.checkpoint.hybrid import verify_checkpoint
 from sparkllm.cli import UsageError, doc_parser, run_main
 
 

@@ -33,11 +33,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))  # wheel_peek, when run as a script
+sys.path.insert(0, str(ROOT))  # tests.unit.wheel_peek, when run as a script
 from sparkllm.fileio import write_json_atomic  # noqa: E402
 
 # one pinned download for the sdists and these wheels
-from vllm_sources import MACHINE_CACHE, extracted_once, fetch_pinned  # noqa: E402
+from sparkllm.lock.sources import MACHINE_CACHE, extracted_once, fetch_pinned  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "flashinfer_packages.json"
 CACHE = ROOT / ".cache"
@@ -83,7 +83,7 @@ def _simple(name: str) -> dict | None:
 
 
 def cubin_listing(cuobjdump: str, version: str) -> dict:
-    import wheel_peek  # HTTP-range reader of a wheel on PyPI (tests/unit/wheel_peek.py)
+    from tests.unit import wheel_peek  # HTTP-range reader of a wheel on PyPI (tests/unit/wheel_peek.py)
 
     index = _simple("flashinfer-cubin") or {"files": []}
     files = [f for f in index["files"] if f["filename"] == f"flashinfer_cubin-{version}-py3-none-any.whl"]

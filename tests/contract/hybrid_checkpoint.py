@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fixtures import make_checkpoints as mc
+from tests.fixtures import make_checkpoints as mc
 
 
 @dataclass(frozen=True)

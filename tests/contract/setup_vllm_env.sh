@@ -28,7 +28,7 @@ venv="${1:-${default_venv}}"
 python="${PYTHON:-python3.11}"
 vllm_version="${VLLM_VERSION:-0.19.1}"
 contract_pins="pytest==8.4.2 safetensors==0.7.0 numpy pyyaml==6.0.3"
-# Per-machine cache (tests/contract/vllm_sources.py MACHINE_CACHE): pinned downloads, pip's resolutions, and
+# Per-machine cache (scripts/sparkllm/lock/sources.py MACHINE_CACHE): pinned downloads, pip's resolutions, and
 # the contract venv itself (~11 GB, minutes to install): the default .venv-vllm is a link to a venv there,
 # named by the sha256 of what it is made of, so a fresh clone (CI) links the one already installed.
 machine_cache="${SPARKLLM_MACHINE_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/sparkllm}"
@@ -113,15 +113,15 @@ else
   echo "setup_vllm_env: installing cmake==${cmake_version} into ${venv}"
   "${py}" -m pip install --quiet --progress-bar off "cmake==${cmake_version}"
 fi
-"${py}" "${repo_root}/tests/contract/vllm_sources.py"
+PYTHONPATH="${repo_root}/scripts" "${py}" -m sparkllm.lock.sources
 # 4. The flashinfer-python wheel of every variant (data/flashinfer_packages.json, sha256-checked; the AOT step's
 #    contract reads its aot.py, jit/ and file list from .cache/flashinfer-src/<V>): 8 + 15 MB, once.
 "${py}" "${repo_root}/tests/contract/flashinfer_sources.py"
 # 5. pip's dry-run resolution of what each variant's image installs, for Linux aarch64 / CPython 3.12
-#    (tests/contract/resolve_requirements.py): about a minute per install set the first time (HTTP range
+#    (scripts/sparkllm/lock/resolve.py): about a minute per install set the first time (HTTP range
 #    reads of each wheel's METADATA), then cached per machine (~/.cache/sparkllm/pip-resolve/) by the sha256
 #    of every input.
-"${py}" "${repo_root}/tests/contract/resolve_requirements.py"
+PYTHONPATH="${repo_root}/scripts" "${py}" -m sparkllm.lock.resolve
 # 6. The diff of every upstream commit a build carries (extra_prs entries with diff_sha256; tests/contract/vllm_prs.py):
 #    made as the image build makes it (a two-commit fetch from github.com, the role's git diff options), checked
 #    against the pinned sha256, kept in ~/.cache/sparkllm/vllm-prs/; a rerun only checks the hash.

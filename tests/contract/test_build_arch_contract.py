@@ -22,9 +22,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-import vllm_cmake_archs as arch
-import vllm_sources
 import yaml
+from sparkllm.lock import sources as vllm_sources
+
+from tests.contract import vllm_cmake_archs as arch
 
 pytestmark = pytest.mark.vllm_contract
 

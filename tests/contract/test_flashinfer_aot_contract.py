@@ -22,9 +22,10 @@ import os
 import re
 from pathlib import Path
 
-import flashinfer_sources
 import pytest
 import yaml
+
+from tests.contract import flashinfer_sources
 
 pytestmark = pytest.mark.vllm_contract
 

@@ -35,8 +35,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hybrid_checkpoint import write_hybrid
-from vllm_targets import VERSIONS, VllmTarget, vllm_target
+
+from tests.contract.hybrid_checkpoint import write_hybrid
+from tests.contract.vllm_targets import VERSIONS, VllmTarget, vllm_target
 
 pytestmark = pytest.mark.vllm_contract
 

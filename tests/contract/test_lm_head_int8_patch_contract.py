@@ -36,7 +36,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_targets import VERSIONS, VllmTarget, vllm_target
+
+from tests.contract.vllm_targets import VERSIONS, VllmTarget, vllm_target
 
 pytestmark = pytest.mark.vllm_contract
 
@@ -182,7 +183,7 @@ def test_gpu_e2e_staging_installs_the_module_too(lm_target, tmp_path):
     """tests/gpu/e2e.py stages its patched vLLM itself (patch -p1 on a copy): it must install the carried
     module as well, or the GPU run's INT8 case would fail at import. Run on a stock tree holding the real
     files the series touches."""
-    import e2e
+    from tests.gpu import e2e
     stock = tmp_path / "stock"
     for patch in series(lm_target):
         for rel in re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), flags=re.M):

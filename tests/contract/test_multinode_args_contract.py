@@ -16,9 +16,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import vllm_probe
 import yaml
 from spark_methods import spark_serve_argv
+
+from tests.contract import vllm_probe
 
 pytestmark = pytest.mark.vllm_contract
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import jinja2
 import pytest
-import vllm_routes
 import yaml
+
+from tests.contract import vllm_routes
 
 pytestmark = pytest.mark.vllm_contract
 
@@ -200,7 +201,7 @@ def test_the_release_checks_its_key_only_on_its_guarded_prefixes(release):
 
 
 def test_the_standin_answers_the_real_default_server_s_other_routes_without_a_key(built_routes):
-    from standin_server import routes
+    from tests.fixtures.standin_server import routes
 
     real = {(m, p) for p, methods in built_routes if not p.startswith("/v1")
             for m in (methods or ["GET"]) if m != "HEAD"}

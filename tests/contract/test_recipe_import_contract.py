@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import recipe_import as ri
-import vllm_probe
 from spark_methods import spark_serve_argv
-from unit.test_recipe_import import OPTIONS
+
+from tests.contract import vllm_probe
+from tests.unit.test_recipe_import import OPTIONS
 
 pytestmark = pytest.mark.vllm_contract
 

@@ -1,6 +1,6 @@
 """Issue 22 item 1: what each variant's image installs resolves for Linux aarch64 / CPython 3.12 under its
 constraints file, by pip's own resolver (dry run, binary wheels only, the target's platform tags and marker
-environment; tests/contract/resolve_requirements.py). A missing aarch64 wheel or a conflict fails here, not
+environment; scripts/sparkllm/lock/resolve.py). A missing aarch64 wheel or a conflict fails here, not
 on a Spark an hour into a build.
 
 The results are cached per machine (~/.cache/sparkllm/pip-resolve/) by the sha256 of every input
@@ -15,14 +15,15 @@ import warnings
 from pathlib import Path
 
 import pytest
-import resolve_requirements as rr
 from packaging.requirements import Requirement
 from packaging.version import Version
+from sparkllm.lock import resolve as rr
+
+from tests.unit import wheel_peek  # METADATA of a wheel on PyPI by HTTP ranges, cached in .cache/wheel-peek
 
 pytestmark = pytest.mark.vllm_contract
 
 ROOT = Path(__file__).resolve().parents[2]
-import wheel_peek  # noqa: E402  (METADATA of a wheel on PyPI by HTTP ranges, cached in .cache/wheel-peek)
 
 VARIANTS = rr.variants()
 SETS = [(v, s) for v in sorted(VARIANTS)

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import vllm_probe
 from spark_methods import (
     LOAD_FORMATS,
     SETTING_DEFAULTS,
@@ -21,6 +20,8 @@ from spark_methods import (
     spark_serve_argv,
     spark_speculative_config,
 )
+
+from tests.contract import vllm_probe
 
 pytestmark = pytest.mark.vllm_contract
 
@@ -407,7 +408,7 @@ def test_qwen35_prefix_caching_on_the_dflash_variant(vllm_module, catalogue, var
 def test_gpu_e2e_argv_parses_on_the_dflash_variant(vllm_module, catalogue, variants):
     """Every server tests/gpu/e2e.py starts, rendered by spark_serve_argv with the host knobs
     (vllm_attention_backend, vllm_serve_extra_args), is accepted by the dflash variant's own parser."""
-    import e2e
+    from tests.gpu import e2e
 
     cases = [settings(spec_method=m, vllm_model_path="/tmp/tiny", vllm_port=8101, **e2e.TEST_OVERRIDES,
                       **e2e.HOST_SETTINGS) for m in ("baseline", "mtp", "ngram")]

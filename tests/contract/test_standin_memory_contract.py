@@ -14,7 +14,8 @@ import inspect
 from types import SimpleNamespace
 
 import pytest
-from fixtures.standin_server import memory
+
+from tests.fixtures.standin_server import memory
 
 pytestmark = pytest.mark.vllm_contract
 

@@ -3,7 +3,7 @@ applies to the real source of that variant's release, as the build applies it.
 
 The diff is the one the build makes (tests/contract/vllm_prs.py: the commit's ``git diff`` with the role's
 own options, checked against the pinned sha256, cached per machine); the tree is the release's pinned sdist
-(tests/contract/vllm_sources.py), whose files the diff touches are extracted into a scratch git repository.
+(scripts/sparkllm/lock/sources.py), whose files the diff touches are extracted into a scratch git repository.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import vllm_prs
-import vllm_sources
 import yaml
+from sparkllm.lock import sources as vllm_sources
+
+from tests.contract import vllm_prs
 
 pytestmark = pytest.mark.vllm_contract
 

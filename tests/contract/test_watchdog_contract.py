@@ -36,7 +36,8 @@ from pathlib import Path
 
 import ops_watchdog as wd
 import pytest
-from fixtures.standin_server.server import Config, StandinServer
+
+from tests.fixtures.standin_server.server import Config, StandinServer
 
 pytestmark = pytest.mark.vllm_contract
 

@@ -26,9 +26,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sparkllm.fileio import sha256_file  # noqa: E402  (the project's one sha256 of a file)
-from vllm_sources import MACHINE_CACHE  # noqa: E402
+from sparkllm.lock.sources import MACHINE_CACHE  # noqa: E402
 
 METHODS = ROOT / "group_vars" / "all" / "methods.yml"
 DEFAULTS = ROOT / "roles" / "vllm_build" / "defaults" / "main.yml"

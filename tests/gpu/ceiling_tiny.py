@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(ROOT / "scripts"), str(ROOT / "filter_plugins")]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "filter_plugins")]
 
 H200_BANDWIDTH_GBS = 4800.0  # NVIDIA H200 specification: 4.8 TB/s HBM3e, nominal
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=360, help="seconds for the server (default: 360)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128)")
     a = ap.parse_args(argv)
-    import e2e  # the GPU pipeline: imports vllm's host facts lazily, numpy for the tiny pair
+    from tests.gpu import e2e  # the GPU pipeline: imports vllm's host facts lazily, numpy for the tiny pair
 
     a.out.mkdir(parents=True, exist_ok=True)
     rec = e2e.Record(a.out, a.work, figures={})

@@ -50,10 +50,11 @@ import sys
 import time
 from pathlib import Path
 
-import e2e
-import first_start as fs
-import tiny_dflash
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.* when run as a script
 from spark_methods import spark_serve_argv
+
+from tests.gpu import e2e, tiny_dflash
+from tests.gpu import first_start as fs
 
 log = e2e.logger("dflash_bench")
 

@@ -66,10 +66,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "filter_plugins"))
-
-import tiny_pair  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "filter_plugins")]  # tests.gpu.* and the filters, run as a script
 from spark_methods import SETTING_DEFAULTS, spark_serve_argv  # noqa: E402
+
+from tests.gpu import tiny_pair  # noqa: E402
 
 # The flags this host needs, through the owners' knobs (validated like every other setting; the
 # contract suite parses them with vLLM 0.20.0's own parser):
@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     d = models["dirs"]
     extra_settings: dict[str, dict] = {}
     if "hybrid-eagle3" in only:
-        import tiny_eagle3
+        from tests.gpu import tiny_eagle3
 
         drafter = tiny_eagle3.generate(a.work / "eagle3", tokenizer_from=Path(d["hybrid"]))
         extra_settings["hybrid-eagle3"] = {"spec_eagle3_drafter": drafter["path"]}

@@ -43,9 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-import e2e
-import tiny_eagle3
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.* when run as a script
 from spark_methods import SETTING_DEFAULTS, spark_serve_argv
+
+from tests.gpu import e2e, tiny_eagle3
 
 # (first-seen name, regex): the lines that mark a start's phases in vLLM 0.20.0 (and 0.26.0) logs
 PHASES = [

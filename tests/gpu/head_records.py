@@ -44,11 +44,12 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import e2e
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.* when run as a script
+from tests.gpu import e2e
 
 sys.path.insert(0, str(e2e.ROOT / "scripts"))
-from sparkllm.bench_common import UsageError  # noqa: E402
-from sparkllm.bench_prompts import load_prompts  # noqa: E402
+from sparkllm.bench.common import UsageError  # noqa: E402
+from sparkllm.bench.prompts import load_prompts  # noqa: E402
 
 log = e2e.logger("head_records")
 

@@ -42,7 +42,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-import e2e
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.* when run as a script
+from tests.gpu import e2e
 
 log = e2e.logger("prefix_cache")
 

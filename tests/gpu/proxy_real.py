@@ -36,9 +36,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import e2e  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.* when run as a script
+from tests.gpu import e2e  # noqa: E402
 
 log = e2e.logger("proxy_real")
 

@@ -30,7 +30,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import tiny_pair
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.* when run as a script
+from tests.gpu import tiny_pair
 
 MARKER = ".sparkllm_tiny_eagle3.json"
 INTER = 512

@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-from watchdog_load import T0, Load, http_get, log, metrics, post_json, short_metrics  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: tests.* when run as a script
+from tests.gpu.watchdog_load import T0, Load, http_get, log, metrics, post_json, short_metrics  # noqa: E402
 
 
 def watchdog_path() -> Path:

@@ -25,11 +25,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]  # sparkllm, tests.*
 
 import bench  # noqa: E402
-from fixtures.standin_server import Config, StandinServer  # noqa: E402
-from sparkllm import bench_report  # noqa: E402
+from sparkllm.bench import report as bench_report  # noqa: E402
+
+from tests.fixtures.standin_server import Config, StandinServer  # noqa: E402
 
 COMMON = {"model": "qwen3.5-122b", "step_time": 0.01, "prefill_per_token": 2e-5, "max_running": 4,
           "tokens_per_word": 1.3}

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from fixtures.make_checkpoints import bench_config, generate  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the checkout: tests.* when run as a script
+from tests.fixtures.make_checkpoints import bench_config, generate  # noqa: E402
 
 MERGE = ROOT / "scripts" / "hybrid_merge.py"
 

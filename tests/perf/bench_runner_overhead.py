@@ -26,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from sparkllm import bench_client, bench_runner  # noqa: E402
+from sparkllm.bench import client as bench_client  # noqa: E402
+from sparkllm.bench import runner as bench_runner  # noqa: E402
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ No checkpoint needed: the served hybrid's tensor inventory is rebuilt at its rea
 layout as tests/fixtures/make_checkpoints.py and docs/model.md describe them: Intel's INT4 AutoRound
 checkpoint in GPTQ packing, group size 128, for the routed experts and the attention and linear-attention
 projections; the shared experts FP8 with 128 x 128 block scales; router, norms, embedding and LM head
-BF16) and handed to ``sparkllm.bench_ceiling.breakdown``, the code ``bench.py run --model-dir`` uses on
+BF16) and handed to ``sparkllm.bench.ceiling.breakdown``, the code ``bench.py run --model-dir`` uses on
 the real headers. On a Spark, ``scripts/bench.py ceiling --model-dir /srv/models/qwen3.5-122b-hybrid``
 gives the figure from the checkpoint itself.
 
@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "scripts")]
 
-from sparkllm import bench_ceiling as bc  # noqa: E402
-from sparkllm.safetensors_io import DTYPE_SIZES, TensorInfo  # noqa: E402
+from sparkllm.bench import ceiling as bc  # noqa: E402
+from sparkllm.checkpoint.safetensors_io import DTYPE_SIZES, TensorInfo  # noqa: E402
 
 H, LAYERS, INTERVAL, VOCAB = 3072, 48, 4, 248320
 HEADS, KV_HEADS, HEAD_DIM = 32, 2, 256

@@ -7,8 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fixtures.standin_server import Config, StandinServer
-from sparkllm import bench_client, bench_runner, bench_stats
+from sparkllm.bench import client as bench_client
+from sparkllm.bench import runner as bench_runner
+from sparkllm.bench import stats as bench_stats
+
+from tests.fixtures.standin_server import Config, StandinServer
 
 
 def write_prompts(path: Path, n_per_cat: int = 2, cats: tuple[str, ...] = ("code", "chat_qa")) -> Path:

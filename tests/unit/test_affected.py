@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import affected as af
+
+from tests.harness import affected as af
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = ["site", "vllm_build", "serve", "cluster", "model", "ops", "bench", "metrics", "preflight"]

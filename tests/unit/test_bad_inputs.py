@@ -31,13 +31,15 @@ import serve_wait
 import sweep
 import tune
 import verify_checkpoint
-from bench_helpers import write_prompts
-from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
-from fixtures.standin_server import Config, StandinServer
-from sparkllm import bench_report, bench_store
-from sparkllm import checkpoint as ck
+from sparkllm.bench import report as bench_report
+from sparkllm.bench import store as bench_store
+from sparkllm.checkpoint import hybrid as ck
+from sparkllm.checkpoint.safetensors_io import INDEX_NAME
 from sparkllm.outdir import MARKER
-from sparkllm.safetensors_io import INDEX_NAME
+
+from tests.fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
+from tests.fixtures.standin_server import Config, StandinServer
+from tests.unit.bench_helpers import write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
@@ -308,7 +310,7 @@ def test_bench_run_all_requests_failed_is_written_invalid_and_exits_1(world: Wor
 
 
 def test_report_without_matplotlib_is_markdown_with_one_line(world: World, monkeypatch, capsys) -> None:
-    from bench_helpers import fake_doc
+    from tests.unit.bench_helpers import fake_doc
 
     store = world.root / "store2"
     conn = bench_store.open_store(store)

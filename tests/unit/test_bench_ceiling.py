@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import bench
 import hybrid_merge
 import pytest
-from fixtures.make_checkpoints import GenConfig, generate
-from sparkllm import bench_ceiling as bc
-from sparkllm.safetensors_io import read_header
+from sparkllm.bench import ceiling as bc
+from sparkllm.checkpoint.safetensors_io import read_header
+
+from tests.fixtures.make_checkpoints import GenConfig, generate
 
 CFG = GenConfig(layers=4, experts=4, top_k=2)
 
@@ -183,8 +184,8 @@ def test_report_rows_compare_with_the_ceiling_and_spec_with_ceiling_times_accept
 
 
 def test_run_stores_the_ceiling_and_the_report_shows_it(hybrid: Path, tmp_path: Path) -> None:
-    from bench_helpers import write_prompts
-    from fixtures.standin_server import Config, StandinServer
+    from tests.fixtures.standin_server import Config, StandinServer
+    from tests.unit.bench_helpers import write_prompts
 
     prompts = write_prompts(tmp_path / "p.jsonl")
     out = tmp_path / "out"

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_helpers import fake_doc
-from sparkllm import bench_report, bench_store
+from sparkllm.bench import report as bench_report
+from sparkllm.bench import store as bench_store
+
+from tests.unit.bench_helpers import fake_doc
 
 pytest.importorskip("matplotlib")
 from matplotlib.colors import to_rgba  # noqa: E402

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import bench
 import pytest
-from sparkllm import bench_common, bench_prompts
+from sparkllm.bench import common as bench_common
+from sparkllm.bench import prompts as bench_prompts
 
 LINES = [
     {"question_id": 81, "category": "writing", "turns": ["Write a travel blog post.", "Rewrite it."]},

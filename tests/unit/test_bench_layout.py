@@ -10,14 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_helpers import write_prompts
-from fixtures.standin_server import Config, StandinServer
+
+from tests.fixtures.standin_server import Config, StandinServer
+from tests.unit.bench_helpers import write_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 MAX_LINES = 800
-RUN_SIDE = ("bench_common", "bench_prompts", "bench_prometheus", "bench_stats", "bench_client",
-            "bench_runner", "bench_store", "bench_cli", "bench_rate", "bench_depth", "bench_telemetry")
+RUN_SIDE = ("bench.common", "bench.prompts", "bench.prometheus", "bench.stats", "bench.client",
+            "bench.runner", "bench.store", "bench.cli", "bench.rate", "bench.depth", "bench.telemetry")
 
 # Runs in a fresh interpreter: every import of a module outside the standard library (and our own
 # bench / sparkllm) fails and is recorded, as on a Spark whose python3 has no matplotlib or rich.
@@ -55,7 +56,7 @@ except SystemExit as exc:
 new = sorted(m for m in set(sys.modules) - before
              if m.partition(".")[0] not in ALLOWED)
 print(json.dumps({"rc": rc, "blocker_works": blocker_works, "attempts": attempts, "third_party": new,
-                  "report_loaded": "sparkllm.bench_report" in sys.modules}))
+                  "report_loaded": "sparkllm.bench.report" in sys.modules}))
 """
 
 
@@ -85,6 +86,6 @@ def test_run_side_is_stdlib_only_and_never_loads_the_report(tmp_path: Path, load
 def test_no_python_module_over_800_lines() -> None:
     sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
              for d in ("scripts", "library", "filter_plugins", "tests") for p in (ROOT / d).rglob("*.py")}
-    assert "scripts/sparkllm/bench_runner.py" in sizes and "scripts/bench.py" in sizes  # it looked
+    assert "scripts/sparkllm/bench/runner.py" in sizes and "scripts/bench.py" in sizes  # it looked
     too_big = {k: v for k, v in sizes.items() if v > MAX_LINES}
     assert not too_big, f"split these modules (limit {MAX_LINES} lines): {too_big}"

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sparkllm import bench_analysis
-from test_bench_verdict import _doc, _rows, _store
+from sparkllm.bench import analysis as bench_analysis
+
+from tests.unit.test_bench_verdict import _doc, _rows, _store
 
 INT8 = {"lm_head_int8": True}
 # near-ties the INT8 head resolves the other way: the greedy text departs on a few prompts

@@ -8,9 +8,14 @@ from pathlib import Path
 
 import bench
 import pytest
-from bench_helpers import run_against, write_prompts
-from fixtures.standin_server import Config, StandinServer
-from sparkllm import bench_analysis, bench_depth, bench_report, bench_store, bench_telemetry
+from sparkllm.bench import analysis as bench_analysis
+from sparkllm.bench import depth as bench_depth
+from sparkllm.bench import report as bench_report
+from sparkllm.bench import store as bench_store
+from sparkllm.bench import telemetry as bench_telemetry
+
+from tests.fixtures.standin_server import Config, StandinServer
+from tests.unit.bench_helpers import run_against, write_prompts
 
 
 def _docs(out: Path) -> list[dict]:
@@ -229,7 +234,8 @@ def test_throttle_marks_a_warning_not_an_invalid_run(tmp_path: Path) -> None:
     smi = _fake_smi(tmp_path, ["120.0, 90, 2400", "120.0, 90, 1200"])
     doc, _ = run_against(Config(model="m"), tmp_path, max_tokens=8)
     assert doc["valid"]  # the helper's run used PATH; now one with the throttling trace:
-    from sparkllm import bench_client, bench_runner
+    from sparkllm.bench import client as bench_client
+    from sparkllm.bench import runner as bench_runner
     with StandinServer(Config(model="m")) as srv:
         opts = bench_runner.RunOptions(base_url=srv.base_url, model="m", label="x", out=tmp_path / "o2",
                                        prompts=tmp_path / "p.jsonl", warmup=0, progress=False,

@@ -6,9 +6,10 @@ import math
 from pathlib import Path
 
 import pytest
-from bench_helpers import run_against
-from fixtures.standin_server import Config
-from sparkllm import bench_stats
+from sparkllm.bench import stats as bench_stats
+
+from tests.fixtures.standin_server import Config
+from tests.unit.bench_helpers import run_against
 
 GOLDEN = (math.sqrt(5) - 1) / 2  # 1 + a + a^2 = 2
 

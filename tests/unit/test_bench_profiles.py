@@ -7,9 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.standin_server import Config, StandinServer
-from sparkllm import bench_cli, bench_client, bench_records, bench_runner
-from sparkllm.bench_prompts import load_prompts
+from sparkllm.bench import cli as bench_cli
+from sparkllm.bench import client as bench_client
+from sparkllm.bench import records as bench_records
+from sparkllm.bench import runner as bench_runner
+from sparkllm.bench.prompts import load_prompts
+
+from tests.fixtures.standin_server import Config, StandinServer
 
 
 def _records_opts(srv: StandinServer, cfg: Config, tmp: Path, **kw) -> bench_runner.RunOptions:
@@ -149,7 +153,7 @@ def test_bad_per_prompt_limit_is_named(tmp_path, capsys):
 def test_cli_records_run_reports_beside_the_records(tmp_path, capsys):
     """`bench.py run --profile records` end to end: its stored figure is the mean of the passes of the
     requests the server timed, and the report sets it beside the published records with the ratio."""
-    from sparkllm import bench_report
+    from sparkllm.bench import report as bench_report
 
     cfg = Config(model="qwen", spec=True, method="mtp", k=2, step_time=0.001, prefill_time=0.01)
     out = tmp_path / "store"
@@ -169,7 +173,7 @@ def test_cli_records_run_reports_beside_the_records(tmp_path, capsys):
     mean = doc["records"]["tok_s_mean"]
     assert f"{mean / 51.58:.2f}x" in row and f"{mean / 59.0:.2f}x" in row
     assert "| albond |" in md and "| Entrpi (best) |" in md
-    from sparkllm.bench_analysis import summary_lines
+    from sparkllm.bench.analysis import summary_lines
     assert any(line.startswith("records profile mtp-k2:") and "Entrpi 59 tok/s" in line
                for line in summary_lines(stats, "baseline"))
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from sparkllm import bench_prometheus, bench_runner
+from sparkllm.bench import prometheus as bench_prometheus
+from sparkllm.bench import runner as bench_runner
 
 TEXT = '''# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter

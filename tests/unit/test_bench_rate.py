@@ -11,9 +11,13 @@ from pathlib import Path
 
 import bench
 import pytest
-from bench_helpers import fake_doc, write_prompts
-from fixtures.standin_server import Config, StandinServer
-from sparkllm import bench_analysis, bench_rate, bench_report, bench_store
+from sparkllm.bench import analysis as bench_analysis
+from sparkllm.bench import rate as bench_rate
+from sparkllm.bench import report as bench_report
+from sparkllm.bench import store as bench_store
+
+from tests.fixtures.standin_server import Config, StandinServer
+from tests.unit.bench_helpers import fake_doc, write_prompts
 
 
 def _docs(out: Path) -> list[dict]:

@@ -15,9 +15,10 @@ from pathlib import Path
 import bench
 import pytest
 import sweep
-from bench_helpers import fake_doc, write_prompts
-from fixtures.standin_server import Config, StandinServer
-from sparkllm import bench_store
+from sparkllm.bench import store as bench_store
+
+from tests.fixtures.standin_server import Config, StandinServer
+from tests.unit.bench_helpers import fake_doc, write_prompts
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.standin_server import server
+
+from tests.fixtures.standin_server import server
 
 SERVER = Path(server.__file__)
 
@@ -77,7 +78,7 @@ def test_running_gauge_drops_before_the_client_reads_done(monkeypatch: pytest.Mo
     import threading
     import urllib.request
 
-    from sparkllm.bench_client import Endpoint, RequestResult, stream_request
+    from sparkllm.bench.client import Endpoint, RequestResult, stream_request
 
     held, go = threading.Event(), threading.Event()
     real_finish = server.Handler._finish

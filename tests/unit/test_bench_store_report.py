@@ -11,9 +11,11 @@ from pathlib import Path
 
 import bench
 import pytest
-from bench_helpers import fake_doc, write_prompts
-from fixtures.standin_server import Config, StandinServer
-from sparkllm import bench_report, bench_store
+from sparkllm.bench import report as bench_report
+from sparkllm.bench import store as bench_store
+
+from tests.fixtures.standin_server import Config, StandinServer
+from tests.unit.bench_helpers import fake_doc, write_prompts
 
 
 def test_cli_run_writes_json_and_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import bench
 import pytest
-from bench_helpers import fake_doc
-from sparkllm import bench_store
+from sparkllm.bench import store as bench_store
+
+from tests.unit.bench_helpers import fake_doc
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); import bench; print('ready', flush=True); "

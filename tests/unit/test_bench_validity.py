@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench_helpers import run_against
-from fixtures.standin_server import Config
+from tests.fixtures.standin_server import Config
+from tests.unit.bench_helpers import run_against
 
 
 def test_clean_run_is_valid(tmp_path: Path) -> None:

@@ -11,10 +11,15 @@ from typing import Any
 import bench
 import pytest
 import sweep
-from bench_helpers import fake_doc
-from sparkllm import bench_analysis, bench_prompts, bench_report, bench_stats, bench_store
-from sparkllm.bench_common import DEFAULT_PROMPTS
-from test_sweep import FakeRunner
+from sparkllm.bench import analysis as bench_analysis
+from sparkllm.bench import prompts as bench_prompts
+from sparkllm.bench import report as bench_report
+from sparkllm.bench import stats as bench_stats
+from sparkllm.bench import store as bench_store
+from sparkllm.bench.common import DEFAULT_PROMPTS
+
+from tests.unit.bench_helpers import fake_doc
+from tests.unit.test_sweep import FakeRunner
 
 
 def _doc(label: str, rep: int, speed: float, *, wrong: tuple[int, ...] = (), conc: int = 1,

@@ -88,7 +88,7 @@ def test_sigterm_unwinds_and_ends_143_and_ctrl_c_130() -> None:
 
 
 def tools() -> list[Path]:
-    return sorted([*SCRIPTS.glob("*.py"), *(SCRIPTS / "sparkllm").glob("*.py")])
+    return sorted([*SCRIPTS.glob("*.py"), *(SCRIPTS / "sparkllm").rglob("*.py")])
 
 
 @pytest.mark.parametrize("path", tools(), ids=lambda p: str(p.relative_to(SCRIPTS)))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_templates import defaults, env, render
+
+from tests.unit.test_templates import defaults, env, render
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "vllm_build"

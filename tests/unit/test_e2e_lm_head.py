@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gpu import e2e, tiny_pair
 
-import e2e  # noqa: E402
-import tiny_pair  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SOURCE = (ROOT / "patches" / "src" / "sparkllm_lm_head_int8.py").read_text()
 

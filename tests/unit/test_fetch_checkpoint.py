@@ -14,11 +14,12 @@ from pathlib import Path
 import fetch_checkpoint as fc
 import hybrid_merge
 import pytest
-from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
-from fixtures.range_server import RangeServer
-from sparkllm import checkpoint as ck
+from sparkllm.checkpoint import hybrid as ck
+from sparkllm.checkpoint.safetensors_io import INDEX_NAME, read_header, read_index, read_tensor_bytes
 from sparkllm.fileio import sha256_file
-from sparkllm.safetensors_io import INDEX_NAME, read_header, read_index, read_tensor_bytes
+
+from tests.fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
+from tests.fixtures.range_server import RangeServer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_checkpoint.py"
 REPO = "Qwen/Qwen3.5-122B-A10B-FP8"

@@ -19,11 +19,14 @@ from pathlib import Path
 import fetch_checkpoint as fc
 import httpx
 import pytest
-from fixtures.make_checkpoints import GenConfig, generate
-from fixtures.range_server import RangeServer
-from sparkllm import fetch_common, fetch_hub, fetch_mirror
+from sparkllm.fetch import common as fetch_common
+from sparkllm.fetch import hub as fetch_hub
+from sparkllm.fetch import mirror as fetch_mirror
 from sparkllm.outdir import MARKER
-from test_bad_inputs import tree
+
+from tests.fixtures.make_checkpoints import GenConfig, generate
+from tests.fixtures.range_server import RangeServer
+from tests.unit.test_bad_inputs import tree
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_checkpoint.py"
 REPO = "Qwen/Qwen3.5-122B-A10B-FP8"

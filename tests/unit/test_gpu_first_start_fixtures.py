@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-first_start = pytest.importorskip("first_start")  # imports e2e (yaml, numpy): both in the test venv
+first_start = pytest.importorskip("tests.gpu.first_start")  # imports e2e (yaml, numpy): both in the test venv
 
 FIXTURES = sorted((ROOT / "tests" / "fixtures" / "vllm_logs").glob("vllm-0.20.0-h200-*.txt"))
 

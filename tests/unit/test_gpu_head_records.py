@@ -17,15 +17,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.standin_server import Config, StandinServer
-from sparkllm import bench_client, bench_records, bench_runner
-from sparkllm.bench_prompts import load_prompts
-from sparkllm.safetensors_io import read_header, read_tensor_bytes
+from sparkllm.bench import client as bench_client
+from sparkllm.bench import records as bench_records
+from sparkllm.bench import runner as bench_runner
+from sparkllm.bench.prompts import load_prompts
+from sparkllm.checkpoint.safetensors_io import read_header, read_tensor_bytes
+
+from tests.fixtures.standin_server import Config, StandinServer
 
 ROOT = Path(__file__).resolve().parents[2]
-hr = pytest.importorskip("head_records")  # imports e2e (yaml, numpy): both in the test venv
+hr = pytest.importorskip("tests.gpu.head_records")  # imports e2e (yaml, numpy): both in the test venv
 import make_run  # noqa: E402
-import tiny_pair as tp  # noqa: E402
+
+from tests.gpu import tiny_pair as tp  # noqa: E402
 
 MODULE = (ROOT / "patches" / "src" / "sparkllm_lm_head_int8.py").read_text()
 

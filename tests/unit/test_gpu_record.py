@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-e2e = pytest.importorskip("e2e")  # yaml, numpy: both in the test venv
+e2e = pytest.importorskip("tests.gpu.e2e")  # yaml, numpy: both in the test venv
 
 
 def test_checks_failures_and_the_summary_on_disk(tmp_path: Path) -> None:

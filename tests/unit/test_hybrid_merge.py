@@ -11,12 +11,13 @@ from pathlib import Path
 
 import hybrid_merge
 import pytest
-from fixtures.make_checkpoints import LM, GenConfig, GeneratedPair, generate
 from safetensors import safe_open
-from sparkllm import checkpoint as ck
+from sparkllm.checkpoint import hybrid as ck
+from sparkllm.checkpoint.safetensors_io import INDEX_NAME, TensorInfo, read_header, read_index
+from sparkllm.checkpoint.safetensors_io import read_tensor_bytes as tensor_bytes
 from sparkllm.outdir import MARKER
-from sparkllm.safetensors_io import INDEX_NAME, TensorInfo, read_header, read_index
-from sparkllm.safetensors_io import read_tensor_bytes as tensor_bytes
+
+from tests.fixtures.make_checkpoints import LM, GenConfig, GeneratedPair, generate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "hybrid_merge.py"
 CFG = GenConfig(layers=4, experts=4)

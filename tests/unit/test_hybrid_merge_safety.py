@@ -15,10 +15,11 @@ from pathlib import Path
 
 import hybrid_merge
 import pytest
-from fixtures.make_checkpoints import LM, GenConfig, GeneratedPair, generate
-from sparkllm import checkpoint as ck
+from sparkllm.checkpoint import hybrid as ck
+from sparkllm.checkpoint.safetensors_io import INDEX_NAME, read_header
 from sparkllm.outdir import MARKER
-from sparkllm.safetensors_io import INDEX_NAME, read_header
+
+from tests.fixtures.make_checkpoints import LM, GenConfig, GeneratedPair, generate
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CFG = GenConfig(layers=4, experts=4)

@@ -4,7 +4,7 @@ runtime and build requirements, evaluated for Linux aarch64 / CPython 3.12), is 
 what the rendered Dockerfile installs (by hash, without the resolver), and the image's lock check
 (roles/vllm_build/files/lock_check.py) fails an environment that differs from it.
 
-The release's requirement files come from its sdist (tests/contract/vllm_sources.py: cached per machine,
+The release's requirement files come from its sdist (scripts/sparkllm/lock/sources.py: cached per machine,
 fetched from PyPI once)."""
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.version import Version
-from test_dockerfile import LOCKS, VARIANTS, constraints, lock_files, rendered
+
+from tests.unit.test_dockerfile import LOCKS, VARIANTS, constraints, lock_files, rendered
 
 ROOT = Path(__file__).resolve().parents[2]
 import image_lock  # noqa: E402  (scripts/ and tests/contract are on pytest's pythonpath)
-import resolve_requirements as rr  # noqa: E402
+from sparkllm.lock import resolve as rr  # noqa: E402
 
 LOCK_CHECK = ROOT / "roles" / "vllm_build" / "files" / "lock_check.py"
 LINE = re.compile(r"^([a-z0-9][a-z0-9-]*)==(\S+)(?: \\\n    --hash=sha256:([0-9a-f]{64}))?$", re.M)

@@ -15,8 +15,9 @@ import fetch_checkpoint as fc
 import hybrid_merge
 import model_job
 import pytest
-from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
-from sparkllm import checkpoint as ck
+from sparkllm.checkpoint import hybrid as ck
+
+from tests.fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CFG = GenConfig(layers=4, experts=4)

@@ -14,9 +14,10 @@ import hybrid_merge
 import mtp_index_patch
 import pytest
 from ansible.module_utils.testing import patch_module_args
-from fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
-from sparkllm import checkpoint as ck
-from sparkllm.safetensors_io import INDEX_NAME, read_header, read_index
+from sparkllm.checkpoint import hybrid as ck
+from sparkllm.checkpoint.safetensors_io import INDEX_NAME, read_header, read_index
+
+from tests.fixtures.make_checkpoints import GenConfig, GeneratedPair, generate
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "mtp_index_patch.py"

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.standin_server import server
+
+from tests.fixtures.standin_server import server
 
 SOAK = Path(__file__).resolve().parents[2] / "molecule" / "ops" / "files" / "soak.py"
 _spec = importlib.util.spec_from_file_location("ops_soak", SOAK)

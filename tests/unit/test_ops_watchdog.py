@@ -12,8 +12,9 @@ from pathlib import Path
 
 import ops_watchdog as wd
 import pytest
-from fixtures.standin_server.server import Config, StandinServer
 from ops_watchdog import Probe, Sample
+
+from tests.fixtures.standin_server.server import Config, StandinServer
 
 
 def s(t: float, gen: float = 0, running: float = 0, waiting: float = 0, prompt: float = 0, done: float = 0,
@@ -409,8 +410,8 @@ def _grace(**play: object) -> tuple[int, int]:
     env = jinja2.Environment()
     env.filters.update({k: f for k, f in CoreFilters().filters().items() if k not in ("default", "d")})
     ops = yaml.safe_load((roles / "spark_ops" / "defaults" / "main.yml").read_text())
-    serve = yaml.safe_load((roles / "serve" / "defaults" / "main.yml").read_text())
-    ctx = {"_spark_ops_serve_defaults": serve, **play}
+    shared = yaml.safe_load((roles.parent / "group_vars" / "all" / "shared.yml").read_text())
+    ctx = {**shared, **play}
     grace = env.from_string(ops["spark_ops_watchdog_grace"]).render(ctx)
     pause_max = env.from_string(ops["spark_ops_watchdog_pause_max"]).render(spark_ops_watchdog_grace=grace)
     return int(grace), int(pause_max)
@@ -422,8 +423,9 @@ def test_the_grace_covers_the_longest_start_the_serve_stage_accepts() -> None:
     # the serve role's budgets are serve_phases' defaults; their sum exceeds serve_ready_timeout (7200)
     assert _grace() == (sum(DEFAULT_BUDGETS.values()), 2 * sum(DEFAULT_BUDGETS.values()))
     assert _grace(serve_ready_timeout=20000)[0] == 20000
-    # a budget the owner raised counts, over the others' defaults (as serve_wait merges them)
-    assert _grace(serve_phase_budgets={"weights": 50000})[0] == sum(DEFAULT_BUDGETS.values()) - 1800 + 50000
+    # a budget the owner raised counts, beside the others' defaults
+    raised = {**DEFAULT_BUDGETS, "weights": 50000}
+    assert _grace(serve_phase_budgets=raised)[0] == sum(DEFAULT_BUDGETS.values()) - 1800 + 50000
 
 
 def test_state_file_is_what_the_exporter_reads(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The inputs of the dry-run resolution (tests/contract/resolve_requirements.py, run against PyPI by the
+"""The inputs of the dry-run resolution (scripts/sparkllm/lock/resolve.py, run against PyPI by the
 contract suite) are what the image really installs: the constraints file as the role renders it, the base
 stage's and the runtime stage's `pip install` lines of the rendered Dockerfile. No network here."""
 
@@ -9,10 +9,11 @@ import shlex
 from pathlib import Path
 
 import pytest
-from test_dockerfile import LOCKS, VARIANTS, constraints, rendered
+
+from tests.unit.test_dockerfile import LOCKS, VARIANTS, constraints, rendered
 
 ROOT = Path(__file__).resolve().parents[2]
-import resolve_requirements as rr  # noqa: E402
+from sparkllm.lock import resolve as rr  # noqa: E402
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.make_checkpoints import GenConfig, generate
 from safetensors import safe_open
-from sparkllm import safetensors_io as sio
+from sparkllm.checkpoint import safetensors_io as sio
+from sparkllm.checkpoint.safetensors_io import ByteRange, SafetensorsError, TensorSpec
 from sparkllm.fileio import write_json_atomic
-from sparkllm.safetensors_io import ByteRange, SafetensorsError, TensorSpec
+
+from tests.fixtures.make_checkpoints import GenConfig, generate
 
 
 def write_file(path: Path, specs: list[TensorSpec], payload: bytes | None = None) -> bytes:

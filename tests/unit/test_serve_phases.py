@@ -247,7 +247,7 @@ def test_step_sees_an_exited_server_at_once(tmp_path):
 
 
 def test_step_is_ready_when_health_answers(tmp_path):
-    from fixtures.standin_server import StandinServer
+    from tests.fixtures.standin_server import StandinServer
 
     b = _fake_bin(tmp_path, [_rec("x Starting vLLM server on http://127.0.0.1:1", time.time(), "c1")])
     with StandinServer() as srv:

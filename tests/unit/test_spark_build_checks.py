@@ -20,7 +20,8 @@ from spark_build import (
     spark_build_pin_errors,
     spark_build_requirement_errors,
 )
-from test_templates import defaults, env
+
+from tests.unit.test_templates import defaults, env
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "vllm_build"

@@ -18,7 +18,8 @@ from spark_cluster import (
     spark_ray_port_args,
     spark_sync_key_options,
 )
-from unit.test_templates import render
+
+from tests.unit.test_templates import render
 
 ROOT = Path(__file__).resolve().parents[2]
 PORTS = yaml.safe_load((ROOT / "group_vars" / "all" / "cluster.yml").read_text())["spark_ray_ports"]

@@ -1,6 +1,6 @@
-"""Unit tests for issue 14's stage shortcut, scripts/sparkllm/stage.py: the fingerprint and decision on
+"""Unit tests for issue 14's stage shortcut, scripts/sparkllm/stage/gate.py: the fingerprint and decision on
 the controller (the filters of filter_plugins/spark_stage.py) and the probe and record on the host
-(library/spark_stage.py, which imports it as ansible.module_utils.sparkllm.stage)."""
+(library/spark_stage.py, which imports it as ansible.module_utils.sparkllm.stage.gate)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from spark_stage import FilterModule, spark_stage_after_record, spark_stage_gate
-from sparkllm import stage as st
+from sparkllm.stage import gate as st
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = ROOT / "library" / "spark_stage.py"

@@ -9,7 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from spark_tools import FilterModule, spark_tools_files, spark_tools_probe, spark_tools_stale
+from spark_tools import (
+    FilterModule,
+    spark_tools_dirs,
+    spark_tools_files,
+    spark_tools_probe,
+    spark_tools_stale,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +49,41 @@ def test_files_lists_the_tools_then_the_package_modules(tmp_path: Path) -> None:
     assert [(f["dest"], f["mode"]) for f in got] == [
         ("b.py", "0755"), ("a.py", "0755"), ("sparkllm/w.py", "0644"), ("sparkllm/x.py", "0644")]
     assert got[0]["src"] == str(src / "b.py")
+
+
+def test_files_and_dirs_take_the_subpackages_too(tmp_path: Path) -> None:
+    src = _scripts(tmp_path)
+    (src / "sparkllm" / "bench").mkdir()
+    (src / "sparkllm" / "bench" / "__init__.py").write_text("")
+    (src / "sparkllm" / "bench" / "runner.py").write_text("R = 1\n")
+    (src / "sparkllm" / "bench" / "__pycache__").mkdir()
+    (src / "sparkllm" / "bench" / "__pycache__" / "stale.py").write_text("")
+    got = spark_tools_files(str(src), ["a.py"])
+    assert [f["dest"] for f in got] == ["a.py", "sparkllm/bench/__init__.py", "sparkllm/bench/runner.py",
+                                        "sparkllm/w.py", "sparkllm/x.py"]
+    assert spark_tools_dirs(got, "/opt/t/") == ["/opt/t/sparkllm", "/opt/t/sparkllm/bench"]
+
+
+def test_the_copied_tools_run_without_the_checkout(tmp_path: Path) -> None:
+    """The role's file list, copied as the role copies it, is enough for the tools to start (no repo on
+    sys.path: -E ignores PYTHONPATH, -s the user's site)."""
+    import shutil
+
+    import yaml
+    defaults = yaml.safe_load((ROOT / "roles/spark_tools/defaults/main.yml").read_text())
+    scripts = defaults["spark_tools_scripts"]
+    dest = tmp_path / "tools"
+    files = spark_tools_files(str(ROOT / "scripts"), scripts)
+    for d in spark_tools_dirs(files, str(dest)):
+        Path(d).mkdir(parents=True, exist_ok=True)
+    dest.mkdir(exist_ok=True)
+    for f in files:
+        shutil.copyfile(f["src"], dest / f["dest"])
+    for tool in ("bench.py", "fetch_checkpoint.py", "verify_checkpoint.py"):
+        if tool in scripts:
+            res = subprocess.run([sys.executable, "-E", "-s", tool, "--help"], cwd=dest, capture_output=True,
+                                 text=True, check=False)
+            assert res.returncode == 0, f"{tool}: {res.stderr}"
 
 
 def test_files_names_a_listed_tool_that_is_not_there(tmp_path: Path) -> None:
@@ -87,5 +128,6 @@ def test_the_real_tool_list_resolves() -> None:
     defaults = yaml.safe_load((ROOT / "roles/spark_tools/defaults/main.yml").read_text())
     scripts = defaults["spark_tools_scripts"]
     got = spark_tools_files(str(ROOT / "scripts"), scripts)
-    assert {f["dest"] for f in got} >= {"bench.py", "sparkllm/bench_runner.py", "sparkllm/fileio.py"}
-    assert set(FilterModule().filters()) == {"spark_tools_files", "spark_tools_stale", "spark_tools_probe"}
+    assert {f["dest"] for f in got} >= {"bench.py", "sparkllm/bench/runner.py", "sparkllm/fileio.py"}
+    assert set(FilterModule().filters()) == {"spark_tools_files", "spark_tools_dirs", "spark_tools_stale",
+                                             "spark_tools_probe"}

@@ -1,5 +1,5 @@
 """Every variable a stage's files read is declared by the stage (playbooks/vars/stages.yml), so that
-the stage gate (scripts/sparkllm/stage.py) cannot miss an input and end a stage that has work to do.
+the stage gate (scripts/sparkllm/stage/gate.py) cannot miss an input and end a stage that has work to do.
 
 The files of a stage: its playbooks, its roles (tasks, handlers, templates, defaults, vars; for a role
 included with tasks_from, those task files and the role's defaults and vars) and the toolkit templates
@@ -22,7 +22,7 @@ import jinja2
 import pytest
 import yaml
 from jinja2 import meta, nodes
-from sparkllm import stage as st
+from sparkllm.stage import gate as st
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES_FILE = st.STAGES_FILE.as_posix()

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fixtures.standin_server import memory
+from tests.fixtures.standin_server import memory
 
 SERVER = Path(__file__).resolve().parents[1] / "fixtures" / "standin_server" / "server.py"
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import ops_watchdog as wd
 import pytest
-from fixtures.standin_server import engine
-from fixtures.standin_server.server import Config, StandinServer, parse_args
+
+from tests.fixtures.standin_server import engine
+from tests.fixtures.standin_server.server import Config, StandinServer, parse_args
 
 WORDS = 1023  # prompt tokens = round(1023 * 1.0) + 1 = 1024: 16 chunks of 64
 

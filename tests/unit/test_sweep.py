@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import sweep
-from bench_helpers import fake_doc, run_sweep_cell
 from spark_bench import spark_cell_hash
+
+from tests.unit.bench_helpers import fake_doc, run_sweep_cell
 
 SPEEDS = {"baseline": 10.0, "ngram": 9.0, "mtp-k1": 12.0, "mtp-k2": 14.0, "mtp-k4": 13.0}
 

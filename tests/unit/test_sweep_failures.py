@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import sweep
-from bench_helpers import fake_doc, run_sweep_cell
 from spark_bench import spark_cell_hash
+
+from tests.unit.bench_helpers import fake_doc, run_sweep_cell
 
 
 def test_real_runner_failure_names_task_and_message_and_keeps_artifacts(tmp_path: Path) -> None:
@@ -136,7 +137,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Captur
 
 def test_report_never_pools_different_contexts() -> None:
     """Same label but a different concurrency: two rows named by it; speedups pair within a context."""
-    from sparkllm import bench_report
+    from sparkllm.bench import report as bench_report
 
     def run(label: str, rep: int, speed: float, conc: int, h: str | None) -> bench_report.RunRow:
         doc = fake_doc(label, rep, [speed] * 3, config_hash=h, run_id=f"{label}-{rep}-{conc}")
@@ -164,7 +165,7 @@ def test_report_never_pools_different_contexts() -> None:
 
 def test_report_shows_what_each_row_measured() -> None:
     """The provenance table names the model revision, toolkit commit and image of each row's runs."""
-    from sparkllm import bench_report
+    from sparkllm.bench import report as bench_report
 
     def run(label: str, rep: int, meta: dict) -> bench_report.RunRow:
         doc = fake_doc(label, rep, [10.0] * 3, config_hash=label, run_id=f"{label}-{rep}")

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import sweep
-from bench_helpers import fake_doc
 from spark_bench import spark_cell_hash
+
+from tests.unit.bench_helpers import fake_doc
 
 SPEEDS = {"baseline": 10.0, "mtp-k2": 14.0}
 

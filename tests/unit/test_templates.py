@@ -55,8 +55,10 @@ def env() -> jinja2.Environment:
 
 
 def defaults(role: str) -> dict[str, Any]:
-    """The role's defaults that are plain values (templated ones are given by each test)."""
-    doc = yaml.safe_load((ROLES / role / "defaults" / "main.yml").read_text())
+    """The role's defaults over the shared facts of group_vars/all/shared.yml (as Ansible gives both to the
+    role) that are plain values (templated ones are given by each test)."""
+    doc = yaml.safe_load((ROOT / "group_vars" / "all" / "shared.yml").read_text())
+    doc.update(yaml.safe_load((ROLES / role / "defaults" / "main.yml").read_text()))
     return {k: v for k, v in doc.items() if not (isinstance(v, str) and "{{" in v)}
 
 
@@ -547,7 +549,7 @@ def dockerfile_ctx(extra_prs: list[dict]) -> dict[str, Any]:
         "build_requirements": ["requirements/build.txt"],  # that release's own path (spark_vllm_variants)
         "toolchain": methods["spark_vllm_variants"]["v0_26_dflash"]["toolchain"],
     }
-    from test_dockerfile import lock_files  # (it imports this module)
+    from tests.unit.test_dockerfile import lock_files  # (it imports this module)
 
     ctx["_vllm_build_lock"] = lock_files("v0_26_dflash", from_source=True)  # what build.yml reads
     return ctx

@@ -14,9 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-import tiny_dflash as td  # noqa: E402
-import tiny_pair as tp  # noqa: E402
-from sparkllm.safetensors_io import read_header  # noqa: E402
+from sparkllm.checkpoint.safetensors_io import read_header  # noqa: E402
+
+from tests.gpu import tiny_dflash as td  # noqa: E402
+from tests.gpu import tiny_pair as tp  # noqa: E402
 
 
 @pytest.fixture(scope="module")

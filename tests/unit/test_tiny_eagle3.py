@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tiny_eagle3
-import tiny_pair
+
+from tests.gpu import tiny_eagle3, tiny_pair
 
 
 def read_header(path: Path) -> dict:

@@ -18,8 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-import tiny_pair as tp  # noqa: E402
-from sparkllm.safetensors_io import read_header, read_tensor_bytes  # noqa: E402
+from sparkllm.checkpoint.safetensors_io import read_header, read_tensor_bytes  # noqa: E402
+
+from tests.gpu import tiny_pair as tp  # noqa: E402
 
 
 @pytest.fixture(scope="module")

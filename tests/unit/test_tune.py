@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import sweep
 import tune
-from bench_helpers import fake_doc
 from spark_bench import spark_cell_hash
+
+from tests.unit.bench_helpers import fake_doc
 
 KNOWN = ["baseline", "ngram", "mtp", "eagle3", "dflash"]
 SPEEDS = {"baseline": 10.0, "mtp-k2": 14.0, "dflash-k8": 19.0}

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import hybrid_merge
 import pytest
-from fixtures.make_checkpoints import LM, GenConfig, generate
-from sparkllm import checkpoint as ck
-from sparkllm.safetensors_io import INDEX_NAME, TensorSpec, encode_header
+from sparkllm.checkpoint import hybrid as ck
+from sparkllm.checkpoint.safetensors_io import INDEX_NAME, TensorSpec, encode_header
+
+from tests.fixtures.make_checkpoints import LM, GenConfig, generate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "verify_checkpoint.py"
 
@@ -172,7 +173,7 @@ def test_tool_call_tokens_are_required_when_asked(merged: Path, tmp_path: Path) 
     wanted = ("<tool_call> / </tool_call>", "HTTP 500", "vllm_enable_auto_tool_choice")
     assert any(all(w in ln for w in wanted) for ln in lines), lines
     assert verify(merged)[0] == 0  # not asked: not checked
-    import tiny_pair
+    from tests.gpu import tiny_pair
 
     good = tmp_path / "tok"
     good.mkdir()

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 from spark_build import FilterModule as BuildFilters
-from test_dockerfile import ROLE, VARIANTS, ctx, lock_files, unpinned
-from test_templates import defaults, env, render
+
+from tests.unit.test_dockerfile import ROLE, VARIANTS, ctx, lock_files, unpinned
+from tests.unit.test_templates import defaults, env, render
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "init.defaultBranch=main"]
 RELEASE = "void f(Tensor const& a,\n       Tensor const& b) {\n  int x = 1;\n  g(a, b);\n}\n"

@@ -12,10 +12,11 @@ import re
 from pathlib import Path
 
 import pytest
-import wheel_peek
 import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+from tests.unit import wheel_peek
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = yaml.safe_load((ROOT / "group_vars" / "all" / "methods.yml").read_text())["spark_vllm_variants"]

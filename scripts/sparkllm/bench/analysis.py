@@ -32,10 +32,11 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from sparkllm import bench_ceiling, bench_records
-from sparkllm.bench_common import fmt
-from sparkllm.bench_depth import FILLER_SHA256
-from sparkllm.bench_stats import (
+from sparkllm.bench import ceiling as bench_ceiling
+from sparkllm.bench import records as bench_records
+from sparkllm.bench.common import fmt
+from sparkllm.bench.depth import FILLER_SHA256
+from sparkllm.bench.stats import (
     VERDICT_ALLOWANCE,
     VERDICT_ALPHA,
     binom_tail,

@@ -23,8 +23,8 @@ Inputs of a stage:
     its playbooks, shared plugins, scripts, templates, patches, group_vars, the stage file);
   * the recorded state of the stages it builds on (serve: build and model; bench: serve).
 
-This module is imported on the controller as ``sparkllm.stage`` (the filter plugin) and shipped to the
-host as ``ansible.module_utils.sparkllm.stage`` (the module; ansible.cfg's module_utils is scripts/):
+This module is imported on the controller as ``sparkllm.stage.gate`` (the filter plugin) and shipped to the
+host as ``ansible.module_utils.sparkllm.stage.gate`` (the module; ansible.cfg's module_utils is scripts/):
 the host half uses the standard library only, the controller half imports PyYAML when it runs.
 """
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the checkout (scripts/sparkllm/stage/gate.py)
 STAGES_FILE = Path("playbooks") / "vars" / "stages.yml"
 STAGES_VAR = "spark_stages"
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkllm.bench_client import Endpoint, RequestResult, Sampling, build_payload, stream_request
-from sparkllm.bench_common import UsageError, WorkFailed
-from sparkllm.bench_prompts import Prompt
+from sparkllm.bench.client import Endpoint, RequestResult, Sampling, build_payload, stream_request
+from sparkllm.bench.common import UsageError, WorkFailed
+from sparkllm.bench.prompts import Prompt
 
 _VOCAB = (
     "the", "a", "of", "and", "to", "in", "is", "that", "for", "on", "with", "as", "by", "at", "from",

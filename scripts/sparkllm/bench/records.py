@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkllm.bench_common import SCRIPTS_DIR
+from sparkllm.bench.common import SCRIPTS_DIR
 
 PROFILES = ("decode", "records", "agent")
 PROTOCOL = ("non-streamed chat completions, the chat template's thinking default, a token limit per "

@@ -10,8 +10,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkllm.bench_prometheus import MetricsSnapshot
-from sparkllm.bench_prompts import Prompt
+from sparkllm.bench.prometheus import MetricsSnapshot
+from sparkllm.bench.prompts import Prompt
 
 
 @dataclass
@@ -19,7 +19,7 @@ class Endpoint:
     base_url: str
     api_key: str | None = None
     timeout: float = 600.0
-    watch: Any = None  # a measured phase's sparkllm.bench_stall.StallWatch: told of every request and token
+    watch: Any = None  # a measured phase's sparkllm.bench.stall.StallWatch: told of every request and token
 
     def _conn(self) -> http.client.HTTPConnection:
         u = urllib.parse.urlsplit(self.base_url)
@@ -87,7 +87,7 @@ class RequestResult:
     t_end: float | None = None  # a whole (non-streamed) request: when its response was read in full
     turn: int | None = None  # agent profile: the turn of its conversation (1 = the first request)
 
-    # ---- derived per-request metrics (definitions: the docstring of sparkllm/bench_runner.py)
+    # ---- derived per-request metrics (definitions: the docstring of sparkllm/bench/runner.py)
     @property
     def m(self) -> int:
         return len(self.token_times)

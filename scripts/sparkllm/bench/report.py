@@ -15,10 +15,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sparkllm import bench_analysis, bench_ceiling, bench_records
-from sparkllm.bench_common import REPORT_DIRNAME, UsageError, fmt, utc_now
-from sparkllm.bench_stats import describe, t975
-from sparkllm.bench_store import STORE_NAME, import_runs, open_store, record_output_checks
+from sparkllm.bench import analysis as bench_analysis
+from sparkllm.bench import ceiling as bench_ceiling
+from sparkllm.bench import records as bench_records
+from sparkllm.bench.common import REPORT_DIRNAME, UsageError, fmt, utc_now
+from sparkllm.bench.stats import describe, t975
+from sparkllm.bench.store import STORE_NAME, import_runs, open_store, record_output_checks
 
 REPORT_TOOL = "bench.py report"
 CHART_FILES = ("decode_tok_s.png", "acceptance_by_position.png", "speedup_by_category.png",

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sparkllm.bench_common import UsageError
+from sparkllm.bench.common import UsageError
 
 # target name -> (the request row's field, factor from milliseconds to that field's unit)
 GOODPUT_TARGETS = {"ttft": ("ttft_s", 1e-3), "tpot": ("tpot_ms", 1.0), "e2e": ("e2e_s", 1e-3)}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkllm.bench_common import UsageError
+from sparkllm.bench.common import UsageError
 from sparkllm.fileio import sha256_file, write_bytes_atomic
 
 UNPINNED = "TO-BE-FILLED"

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sparkllm.bench_client import (
+from sparkllm.bench.client import (
     Endpoint,
     RequestResult,
     Sampling,
@@ -38,10 +38,10 @@ from sparkllm.bench_client import (
     send_request,
     stream_request,
 )
-from sparkllm.bench_common import DEFAULT_PROMPTS, SCRIPTS_DIR, utc_now
-from sparkllm.bench_depth import DEFAULT_TOLERANCE, Filler, at_depth, calibrate, salted_payload
-from sparkllm.bench_profiles import agent_summary, records_summary, run_agent, with_context
-from sparkllm.bench_prometheus import (
+from sparkllm.bench.common import DEFAULT_PROMPTS, SCRIPTS_DIR, utc_now
+from sparkllm.bench.depth import DEFAULT_TOLERANCE, Filler, at_depth, calibrate, salted_payload
+from sparkllm.bench.profiles import agent_summary, records_summary, run_agent, with_context
+from sparkllm.bench.prometheus import (
     M_ACC_POS,
     M_ACCEPTED,
     M_DRAFT_TOK,
@@ -55,12 +55,12 @@ from sparkllm.bench_prometheus import (
     delta,
     restart_problem,
 )
-from sparkllm.bench_prompts import Prompt, load_prompts
-from sparkllm.bench_rate import arrivals, goodput, meets, run_open_loop
-from sparkllm.bench_records import PROFILES
-from sparkllm.bench_stall import DEFAULT_GIVE_UP_S, DEFAULT_STALL_S, StallWatch, outlier_warning, outliers
-from sparkllm.bench_stats import describe, fit_iid_acceptance
-from sparkllm.bench_telemetry import Telemetry
+from sparkllm.bench.prompts import Prompt, load_prompts
+from sparkllm.bench.rate import arrivals, goodput, meets, run_open_loop
+from sparkllm.bench.records import PROFILES
+from sparkllm.bench.stall import DEFAULT_GIVE_UP_S, DEFAULT_STALL_S, StallWatch, outlier_warning, outliers
+from sparkllm.bench.stats import describe, fit_iid_acceptance
+from sparkllm.bench.telemetry import Telemetry
 from sparkllm.cli import Interrupted, signal_exit
 
 TOKEN_MISMATCH_TOLERANCE = 0.01
@@ -87,18 +87,18 @@ class RunOptions:
     depth_text: Filler | None = None  # the owner's text as depth filler (None: the generated one)
     telemetry_interval: float = 1.0
     nvidia_smi: str | None = None  # path of nvidia-smi (None: looked up on PATH; "": none)
-    # request-rate mode (sparkllm.bench_rate): open-loop Poisson arrivals instead of a concurrency level
+    # request-rate mode (sparkllm.bench.rate): open-loop Poisson arrivals instead of a concurrency level
     request_rate: float | None = None  # requests/s (None: closed loop at ``concurrency``)
     num_requests: int | None = None  # arrivals to send (None with no duration: prompts x repeats)
     duration_s: float | None = None  # or every arrival before this many seconds
     arrival_seed: int = 0
     goodput: dict[str, float] = field(default_factory=dict)  # target name -> milliseconds
-    # sparkllm.bench_records: decode (streamed decode tok/s), records (the public records' protocol: whole
+    # sparkllm.bench.records: decode (streamed decode tok/s), records (the public records' protocol: whole
     # requests, e2e tok/s), agent (multi-turn conversations sharing a growing prefix)
     profile: str = "decode"
     warmup_pass: bool = False  # discard a whole first pass over the prompts instead of `warmup` requests
     agent_context_words: int = 3000  # agent: words of background in each conversation's first turn
-    stall_timeout: float = DEFAULT_STALL_S  # sparkllm.bench_stall: no progress this long: the run is invalid
+    stall_timeout: float = DEFAULT_STALL_S  # sparkllm.bench.stall: no progress this long: the run is invalid
     stall_give_up: float = DEFAULT_GIVE_UP_S  # ... this long: the run ends, written as partial and invalid
 
 
@@ -160,7 +160,7 @@ class RunningSampler(threading.Thread):
             if not snap.ok:
                 continue
             self.samples += 1
-            if self.ep.watch is not None:  # a whole request's one sign of progress (sparkllm.bench_stall)
+            if self.ep.watch is not None:  # a whole request's one sign of progress (sparkllm.bench.stall)
                 self.ep.watch.counter_reading(snap.total(M_GEN))
             running = snap.total(M_RUNNING)
             if running is not None:

@@ -3,7 +3,7 @@
 One decode step of a memory-bound model reads every weight it uses once, the KV cache of the context and
 the recurrent state of the linear-attention layers, so ``bytes per generated token / memory bandwidth`` is
 an upper bound on single-stream decode tok/s without speculation. The bytes come from the served
-checkpoint's own safetensors headers (``sparkllm.safetensors_io``, no tensor is read) and its
+checkpoint's own safetensors headers (``sparkllm.checkpoint.safetensors_io``, no tensor is read) and its
 ``config.json``; each tensor is put in one class by its name (the names of Intel's INT4 checkpoint and our
 hybrid, see ``tests/fixtures/make_checkpoints.py``):
 
@@ -45,8 +45,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkllm.bench_common import UsageError, fmt
-from sparkllm.safetensors_io import INDEX_NAME, SafetensorsError, TensorInfo, read_header, read_index
+from sparkllm.bench.common import UsageError, fmt
+from sparkllm.checkpoint.safetensors_io import (
+    INDEX_NAME,
+    SafetensorsError,
+    TensorInfo,
+    read_header,
+    read_index,
+)
 
 # NVIDIA DGX Spark specification (GB10, 128 GB LPDDR5x): 273 GB/s memory bandwidth, nominal
 # (https://www.nvidia.com/en-us/products/workstations/dgx-spark/, docs.nvidia.com DGX Spark hardware guide)

@@ -37,7 +37,7 @@ says so: the pins and everything around them resolve, the cu130 wheels' own depe
 (PyPI's aarch64 torch 2.10.0 is a CPU build; its 2.11.0 is the CUDA 13 build, requiring cuda-toolkit 13.0.2,
 which is why the 0.26 variant pins it by its public version).
 
-    python tests/contract/resolve_requirements.py [--refresh] [VARIANT ...]
+    PYTHONPATH=scripts python -m sparkllm.lock.resolve [--refresh] [VARIANT ...]
 
 Exit status: 0 every set has a result (resolved or not: printed), 1 pip could not be run or PyPI not
 reached, 2 usage. Run by tests/contract/setup_vllm_env.sh; tests/contract/test_requirements_resolve.py
@@ -46,7 +46,6 @@ asserts the results.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -61,10 +60,11 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import vllm_sources  # noqa: E402
-from sparkllm.fileio import write_json_atomic  # noqa: E402
+from ..cli import UsageError, WorkFailed, doc_parser, run_main
+from ..fileio import write_json_atomic
+from . import sources as vllm_sources
+
+ROOT = Path(__file__).resolve().parents[3]  # the checkout (scripts/sparkllm/lock/resolve.py)
 
 CACHE = vllm_sources.MACHINE_CACHE / "pip-resolve"  # per machine: keyed by the sha256 of every input
 METHODS = ROOT / "group_vars" / "all" / "methods.yml"
@@ -288,36 +288,39 @@ def resolve(variant: str, set_name: str, *, pins: dict[str, str] | None = None, 
         return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("variants", nargs="*", help="variants of spark_vllm_variants (default: all)")
-    p.add_argument("--refresh", action="store_true",
-                   help="ask PyPI again instead of using the cached resolution")
-    args = p.parse_args(argv)
+def resolve_all(variants_asked: list[str], refresh: bool) -> int:
+    """Resolve every set of each variant asked (all when none), printing one line per set."""
     known = variants()
-    unknown = [v for v in args.variants if v not in known]
+    unknown = [v for v in variants_asked if v not in known]
     if unknown:
-        print(f"resolve_requirements: no variant {', '.join(unknown)} in {METHODS}", file=sys.stderr)
-        return 2
+        raise UsageError(f"no variant {', '.join(unknown)} in {METHODS}")
     index_ok = index_reachable(torch_index())
     if not index_ok:
         print(f"resolve_requirements: {torch_index()} is unreachable from here: torch, torchvision and "
               "torchaudio resolve from PyPI at their public versions (their cu130 wheels' own dependencies "
               "are not read)")
-    for v in args.variants or sorted(known):
+    for v in variants_asked or sorted(known):
         with tempfile.TemporaryDirectory() as tmp:
             names = list(install_sets(v, known[v], Path(tmp)))
         for s in names:
             try:
-                r = resolve(v, s, refresh=args.refresh, index_ok=index_ok)
+                r = resolve(v, s, refresh=refresh, index_ok=index_ok)
             except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-                print(f"resolve_requirements: {v}/{s}: {exc}", file=sys.stderr)
-                return 1
+                raise WorkFailed(f"{v}/{s}: {exc}") from None
             state = f"resolves ({len(r['install'])} packages)" if r["ok"] else "DOES NOT RESOLVE"
             print(f"resolve_requirements: {v}/{s}: {state}")
             if not r["ok"]:
                 print(r["error"][-1500:])
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = doc_parser("resolve_requirements", __doc__)
+    p.add_argument("variants", nargs="*", help="variants of spark_vllm_variants (default: all)")
+    p.add_argument("--refresh", action="store_true",
+                   help="ask PyPI again instead of using the cached resolution")
+    args = p.parse_args(argv)
+    return run_main("resolve_requirements", lambda: resolve_all(args.variants, args.refresh))
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 # the two error kinds (exit 2, exit 1) every bench module raises: sparkllm.cli's, re-exported
-from .cli import UsageError as UsageError
-from .cli import WorkFailed as WorkFailed
+from ..cli import UsageError as UsageError
+from ..cli import WorkFailed as WorkFailed
 
-SCRIPTS_DIR = Path(__file__).resolve().parent.parent  # scripts/ (on the Spark: spark_tools_dir)
+SCRIPTS_DIR = Path(__file__).resolve().parents[2]  # scripts/ (on the Spark: spark_tools_dir)
 DEFAULT_PROMPTS = SCRIPTS_DIR / "prompts" / "prompts.jsonl"
 SPECBENCH_MANIFEST = SCRIPTS_DIR / "prompts" / "specbench.json"
 REPORT_DIRNAME = "report"  # the report's directory inside the store: DIR/report/report.md

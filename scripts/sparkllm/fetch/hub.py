@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from . import fetch_common as common
-from .checkpoint import SOURCE_RECORD
-from .fetch_common import TRANSIENT_HTTP, FetchError, Retry, TransientError, UsageError
-from .fetch_remote import COMMIT_RE
-from .fileio import sha256_file, write_json_atomic
+from ..checkpoint.hybrid import SOURCE_RECORD
+from ..fileio import sha256_file, write_json_atomic
+from . import common
+from .common import TRANSIENT_HTTP, FetchError, Retry, TransientError, UsageError
+from .remote import COMMIT_RE
 
 T = TypeVar("T")
 TOKEN_HINT = "check --repo, or give a token (--token-file or HF_TOKEN) if the repo is private or gated"

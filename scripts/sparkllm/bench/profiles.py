@@ -1,5 +1,5 @@
 """bench: the ``records`` and ``agent`` profiles' own work and figures (standard library only; runs on the
-Spark). The profiles themselves are described in ``sparkllm.bench_records``.
+Spark). The profiles themselves are described in ``sparkllm.bench.records``.
 
 records: every request is timed whole (``RequestResult.e2e_tok_s`` = completion tokens / request wall time);
 the figure of a pass is the mean over its prompts, and the run's figure is the mean of its passes with a
@@ -8,7 +8,7 @@ the figure of a pass is the mean over its prompts, and the run's figure is the m
 agent: each prompt line is a conversation: its messages, then its ``followups`` one by one, each sent after
 the previous answer was appended as the assistant's turn, so every turn's prompt begins with the previous
 turn's prompt (what prefix caching can reuse). The first turn gets ``context_words`` words of background (the
-pinned generated filler of ``sparkllm.bench_depth``, a window of its own per conversation). Every
+pinned generated filler of ``sparkllm.bench.depth``, a window of its own per conversation). Every
 conversation instance (conversation x pass) carries one random ``cache_salt``: its own turns can share the
 cache, another pass of the same conversation cannot (its first turn would otherwise be answered from the
 previous pass's cache and look like a later turn).
@@ -20,7 +20,7 @@ import dataclasses
 import secrets
 from typing import Any
 
-from sparkllm.bench_client import (
+from sparkllm.bench.client import (
     Endpoint,
     RequestResult,
     Sampling,
@@ -28,9 +28,9 @@ from sparkllm.bench_client import (
     build_payload,
     send_request,
 )
-from sparkllm.bench_depth import filler
-from sparkllm.bench_prompts import Prompt
-from sparkllm.bench_stats import describe
+from sparkllm.bench.depth import filler
+from sparkllm.bench.prompts import Prompt
+from sparkllm.bench.stats import describe
 
 
 def with_context(p: Prompt, words: int, window: int) -> Prompt:

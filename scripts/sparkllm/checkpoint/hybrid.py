@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checkpoint_inputs import FP8_DTYPE, index_problems, other_fp8_types, output_problems
-from .fileio import place_atomic, sha256_file, write_json_atomic
-from .outdir import MARKER as OWNER_MARKER
-from .outdir import OutputRefused, made_by_toolkit
+from ..fileio import place_atomic, sha256_file, write_json_atomic
+from ..outdir import MARKER as OWNER_MARKER
+from ..outdir import OutputRefused, made_by_toolkit
+from .inputs import FP8_DTYPE, index_problems, other_fp8_types, output_problems
 from .safetensors_io import (
     INDEX_NAME,
     SIXTEEN_BIT,

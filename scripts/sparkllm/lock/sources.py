@@ -1,13 +1,13 @@
 """The source distributions of the vLLM releases we build, fetched once and pinned by sha256.
 
 Each variant's sdist (vllm-<version>.tar.gz on PyPI; url and sha256 from PyPI's simple index JSON API,
-recorded in tests/contract/data/vllm_sdists.json) is downloaded into the machine cache
+recorded in scripts/sparkllm/lock/vllm_sdists.json) is downloaded into the machine cache
 (~/.cache/sparkllm/vllm-sdist/) and only the files the build contract reads are extracted into
 .cache/vllm-src/<version>/ (CMakeLists.txt, cmake/,
 requirements/, setup.py, use_existing_torch.py, pyproject.toml, tools/build_rust.py and the Marlin
 sources whose arch guards we cite). A second call finds both and does nothing. Standard library only:
-tests/contract/setup_vllm_env.sh runs it as `python tests/contract/vllm_sources.py` (exit 0 done,
-1 a download or hash failed, 2 usage).
+tests/contract/setup_vllm_env.sh runs it as `python -m sparkllm.lock.sources` (scripts/ on PYTHONPATH;
+exit 0 done, 1 a download or hash failed, 2 usage).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-from sparkllm.fileio import sha256_file  # noqa: E402  (the project's one sha256 of a file)
+from ..fileio import sha256_file  # the project's one sha256 of a file
 
-PINS = Path(__file__).resolve().parent / "data" / "vllm_sdists.json"
+ROOT = Path(__file__).resolve().parents[3]  # the checkout (scripts/sparkllm/lock/sources.py)
+PINS = Path(__file__).resolve().parent / "vllm_sdists.json"
 CACHE = ROOT / ".cache"
 # Downloads pinned by sha256 (sdists, wheels) and results keyed by the sha256 of their inputs (pip's
 # resolution) outlive a checkout: they are kept per machine, so a fresh clone (CI) does not fetch them again.

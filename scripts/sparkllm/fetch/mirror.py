@@ -12,8 +12,7 @@ import errno
 import hashlib
 from pathlib import Path
 
-from . import fetch_common as common
-from .checkpoint import (
+from ..checkpoint.hybrid import (
     MANIFEST_NAME,
     SOURCE_RECORD,
     CheckpointError,
@@ -22,8 +21,9 @@ from .checkpoint import (
     manifest_doc,
     read_manifest,
 )
-from .fetch_common import MIRROR_STATE, FetchError, Retry, TransientError, UsageError
-from .fileio import Throttle, atomic_write, fsync_dir, write_json_atomic
+from ..fileio import Throttle, atomic_write, fsync_dir, write_json_atomic
+from . import common
+from .common import MIRROR_STATE, FetchError, Retry, TransientError, UsageError
 
 # a mounted mirror's server or link failing, not the file: worth another try
 MOUNT_ERRNOS = (errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH,

@@ -16,11 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from . import fetch_common as common
-from .checkpoint import FP8_DTYPE, SOURCE_RECORD, is_expert, is_mtp, scale_name
-from .fetch_common import CHUNK, TRANSIENT_HTTP, FetchError, Retry, TransientError, UsageError
-from .fileio import atomic_write, write_json_atomic
-from .safetensors_io import (
+from ..checkpoint.hybrid import FP8_DTYPE, SOURCE_RECORD, is_expert, is_mtp, scale_name
+from ..checkpoint.safetensors_io import (
     INDEX_NAME,
     MAX_HEADER_BYTES,
     ByteRange,
@@ -33,6 +30,9 @@ from .safetensors_io import (
     parse_header_bytes,
     read_header,
 )
+from ..fileio import atomic_write, write_json_atomic
+from . import common
+from .common import CHUNK, TRANSIENT_HTTP, FetchError, Retry, TransientError, UsageError
 
 CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
 

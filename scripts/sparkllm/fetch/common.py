@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .checkpoint import SOURCE_RECORD
-from .cli import UsageError
-from .outdir import MARKER, OutputRefused, check_output_dir, marker_tool, write_marker
-from .safetensors_io import INDEX_NAME
+from ..checkpoint.hybrid import SOURCE_RECORD
+from ..checkpoint.safetensors_io import INDEX_NAME
+from ..cli import UsageError
+from ..outdir import MARKER, OutputRefused, check_output_dir, marker_tool, write_marker
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CHUNK = 1 << 20

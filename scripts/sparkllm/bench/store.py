@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkllm.bench_common import UsageError, utc_now
+from sparkllm.bench.common import UsageError, utc_now
 from sparkllm.fileio import fsync_dir, fsync_file, write_bytes_atomic
 
 STORE_NAME = "results.sqlite"

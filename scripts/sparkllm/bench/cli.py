@@ -11,7 +11,7 @@ Subcommands
 ``report``        (controller; matplotlib imported lazily) Markdown report + PNG charts.
 ``fetch-prompts`` download Spec-Bench ``question.jsonl`` (pinned commit + sha256) and convert it.
 ``ceiling``       (stdlib) bytes read per generated token of a checkpoint directory and the decode
-                  ceiling they allow (``sparkllm.bench_ceiling``); ``run --model-dir`` stores it per run.
+                  ceiling they allow (``sparkllm.bench.ceiling``); ``run --model-dir`` stores it per run.
 
 Exit codes: 0 success; 1 the work failed (``run``: nothing answers at ``--base-url``, the run is
 invalid, or the engine stalled for ``--stall-give-up`` seconds and the run was given up: it is still written
@@ -27,7 +27,7 @@ Known ``--meta-json`` keys (all optional, passed by the bench role): ``method``,
 ``toolkit_commit``, ``model_revision``, ``drafter_revision``; anything else is kept verbatim.
 
 The ``run``, ``import``, ``lookup`` and ``fetch-prompts`` code is standard library only; the report
-module (``sparkllm.bench_report``, matplotlib) is imported only by ``report``.
+module (``sparkllm.bench.report``, matplotlib) is imported only by ``report``.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from sparkllm import bench_ceiling
-from sparkllm.bench_client import Endpoint, Sampling
-from sparkllm.bench_common import (
+from sparkllm.bench import ceiling as bench_ceiling
+from sparkllm.bench.client import Endpoint, Sampling
+from sparkllm.bench.common import (
     DEFAULT_PROMPTS,
     REPORT_DIRNAME,
     SPECBENCH_MANIFEST,
@@ -52,19 +52,19 @@ from sparkllm.bench_common import (
     WorkFailed,
     fmt,
 )
-from sparkllm.bench_depth import (
+from sparkllm.bench.depth import (
     DEFAULT_TOLERANCE,
     check_depths,
     check_text_covers,
     load_filler,
     served_max_len,
 )
-from sparkllm.bench_prompts import fetch_prompts, load_prompts
-from sparkllm.bench_rate import parse_goodput, rate_list
-from sparkllm.bench_records import PROFILE_DEFAULTS, PROFILES, ProfileDefaults
-from sparkllm.bench_runner import RunOptions, execute_run
-from sparkllm.bench_stall import DEFAULT_GIVE_UP_S, DEFAULT_STALL_S
-from sparkllm.bench_store import (
+from sparkllm.bench.prompts import fetch_prompts, load_prompts
+from sparkllm.bench.rate import parse_goodput, rate_list
+from sparkllm.bench.records import PROFILE_DEFAULTS, PROFILES, ProfileDefaults
+from sparkllm.bench.runner import RunOptions, execute_run
+from sparkllm.bench.stall import DEFAULT_GIVE_UP_S, DEFAULT_STALL_S
+from sparkllm.bench.store import (
     REQUEST_COLUMNS,
     RUN_COLUMNS,
     STORE_NAME,
@@ -402,7 +402,8 @@ EXPORT_RUN_EXTRA = ("verdict", "k", "per_position_acceptance")
 def run_verdicts(store: Path, baseline: str) -> dict[str, str]:
     """run id -> the outputs verdict of its report row (bench_analysis.verdict_word), as the report
     decides it now."""
-    from sparkllm import bench_analysis, bench_report  # controller only (matplotlib is not imported)
+    from sparkllm.bench import analysis as bench_analysis  # controller only (matplotlib is not imported)
+    from sparkllm.bench import report as bench_report
 
     stats = bench_report.method_table(bench_report.load_runs(store), baseline)
     bench_analysis.output_checks(stats, baseline, bench_report.pair_runs)
@@ -464,8 +465,8 @@ def cmd_report(a: argparse.Namespace) -> int:
     if not store.is_dir():
         raise UsageError(f"{store}: not a directory; pass the results store directory "
                          f"(it holds {STORE_NAME})")
-    from sparkllm.bench_analysis import summary_lines
-    from sparkllm.bench_report import make_report  # controller only: the run side never imports it
+    from sparkllm.bench.analysis import summary_lines
+    from sparkllm.bench.report import make_report  # controller only: the run side never imports it
 
     path, stats = make_report(store, Path(a.out) if a.out else None, a.baseline, not a.no_charts)
     for line in summary_lines(stats, a.baseline):

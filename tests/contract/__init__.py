@@ -1,0 +1,1 @@
+"""Test helpers, imported as tests.contract.<module> (pytest: pyproject.toml pythonpath)."""

@@ -1,0 +1,1 @@
+"""Test harness helpers, imported as tests.harness.<module> (pytest: pyproject.toml pythonpath)."""

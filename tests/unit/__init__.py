@@ -1,0 +1,1 @@
+"""Test helpers, imported as tests.unit.<module> (pytest: pyproject.toml pythonpath)."""
