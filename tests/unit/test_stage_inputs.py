@@ -13,7 +13,6 @@ is a knob of it too, read or not (a user may set it). Declarations that nothing 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -22,6 +21,7 @@ import jinja2
 import pytest
 import yaml
 from jinja2 import meta, nodes
+from role_docs import GATE_KNOBS, SET_FACT, yaml_strings  # the generator's own YAML reading (scripts/)
 from sparkllm.stage import gate as st
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,10 +33,6 @@ MAGIC = {"inventory_hostname", "inventory_hostname_short", "groups", "group_name
          "inventory_file", "vars", "environment", "lookup", "query", "q", "now", "range", "dict", "lipsum",
          "cycler", "joiner", "namespace", "undef", "_", "true", "false", "none", "True", "False", "None"}
 MAGIC_RE = re.compile(r"^ansible_")
-# The gate's own knob (stage_gate.yml passes it to the filter): every stage has it.
-GATE_KNOBS = {"spark_stage_force"}
-BARE_KEYS = {"when", "that", "failed_when", "changed_when", "until"}
-SET_FACT = {"set_fact", "ansible.builtin.set_fact"}
 # The filter that picks every serving setting out of hostvars: its names are read without being written.
 SETTINGS_FILTER = "spark_settings"
 
@@ -99,18 +95,6 @@ def settings_names() -> frozenset[str]:
     return frozenset(rec.asked)
 
 
-def _strings(node, key: str | None = None) -> Iterator[tuple[str, bool]]:
-    """(text, bare expression?) of every string in a YAML document."""
-    if isinstance(node, str):
-        yield node, key in BARE_KEYS
-    elif isinstance(node, list):
-        for v in node:
-            yield from _strings(v, key)
-    elif isinstance(node, dict):
-        for k, v in node.items():
-            yield from _strings(v, k if isinstance(k, str) else None)
-
-
 def _definitions(node, out: set[str]) -> None:
     """Names a task file defines: register, set_fact, vars, loop_var/index_var."""
     if isinstance(node, list):
@@ -135,7 +119,7 @@ def _scan_yaml(path: Path, reads: Reads, kind: str = "tasks") -> None:
     if kind == "partial defaults" and isinstance(doc, dict):
         for key, value in doc.items():
             sub = Reads()
-            for text, _bare in _strings(value):
+            for text, _bare in yaml_strings(value):
                 if "{{" in text or "{%" in text:
                     sub.read(_template_names(text, where), where)
             reads.partial[key] = sub.reads
@@ -156,7 +140,7 @@ def _scan_yaml(path: Path, reads: Reads, kind: str = "tasks") -> None:
         return
     else:
         _definitions(doc, reads.defines)
-    for text, bare in _strings(doc):
+    for text, bare in yaml_strings(doc):
         if bare:
             text = "{{ " + text + " }}"
         elif "{{" not in text and "{%" not in text:

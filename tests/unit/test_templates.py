@@ -279,6 +279,15 @@ def _role_expr(role: str, name: str, **ctx: Any) -> Any:
     return e.from_string(expr.strip()).render(**ctx)
 
 
+def ray_unit_env(unit: str, runtime: str) -> set[str]:
+    """The NAME=VALUE pairs a rendered Ray unit gives its processes: the container's --env arguments, or
+    the unit's Environment= lines on the host."""
+    if runtime == "container":
+        argv = shlex.split(unit_value(unit, "ExecStart")[0])
+        return {argv[i + 1] for i, a in enumerate(argv) if a == "--env"}
+    return set(unit_value(unit, "Environment"))
+
+
 @pytest.mark.parametrize("runtime", ["container", "venv"])
 @pytest.mark.parametrize("conf", ["shipped", ""])
 def test_the_pytorch_allocator_setting_reaches_the_server_and_the_ray_processes(tmp_path: Path, conf: str,
@@ -308,11 +317,7 @@ def test_the_pytorch_allocator_setting_reaches_the_server_and_the_ray_processes(
     ray["_ray_cluster_server_env"] = _role_expr("ray_cluster", "_ray_cluster_server_env", spec_method="mtp",
                                                 spark_method_catalogue=catalogue(), **knobs)
     unit = render("sparkllm-ray.service.j2", **ray)
-    if runtime == "container":
-        argv = shlex.split(unit_value(unit, "ExecStart")[0])
-        ray_env = {argv[i + 1] for i, a in enumerate(argv) if a == "--env"}
-    else:
-        ray_env = set(unit_value(unit, "Environment"))
+    ray_env = ray_unit_env(unit, runtime)
     assert (want in ray_env) is bool(value)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in unit or value
 
@@ -470,11 +475,7 @@ def test_every_server_env_setting_reaches_the_ray_processes(tmp_path: Path, meth
     ray["_ray_cluster_server_env"] = spark_server_env(method, catalogue(), True,
                                                       {"VLLM_LOGGING_LEVEL": "INFO"})
     unit = render("sparkllm-ray.service.j2", **ray)
-    if runtime == "container":
-        argv = shlex.split(unit_value(unit, "ExecStart")[0])
-        ray_env = {argv[i + 1] for i, a in enumerate(argv) if a == "--env"}
-    else:
-        ray_env = set(unit_value(unit, "Environment"))
+    ray_env = ray_unit_env(unit, runtime)
     ray_own = {"RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN_PATH={ray['_ray_cluster_auth_token_path']}"}
     assert ray_env - ray_own == server - {"HF_TOKEN_PATH=/run/secrets/hf_token"}
 
