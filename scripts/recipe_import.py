@@ -554,6 +554,17 @@ def build_parser(releases: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _our_entry(path: Path) -> bool:
+    """Whether ``path`` holds an entry an earlier import wrote (one name -> a mapping with imported_from):
+    only such a file is replaced by --out; anything else is not ours to overwrite."""
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return (isinstance(doc, dict) and len(doc) == 1
+            and isinstance(entry := next(iter(doc.values())), dict) and "imported_from" in entry)
+
+
 def main(argv: list[str] | None = None, check: ParseCheck | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--parse-worker"]:
@@ -573,6 +584,9 @@ def main(argv: list[str] | None = None, check: ParseCheck | None = None) -> int:
     if args.out and not Path(args.out).resolve().parent.is_dir():
         return say_error(TOOL, f"--out {args.out}: its directory does not exist; create it or choose "
                                f"another", EXIT_USAGE)
+    if args.out and Path(args.out).exists() and not _our_entry(Path(args.out)):
+        return say_error(TOOL, f"--out {args.out}: the file exists and is no entry this tool wrote (no "
+                               f"imported_from); it is left as it is: choose another path", EXIT_USAGE)
     vllm_path = args.vllm_path
     default_tree = ROOT / ".cache" / f"vllm-{args.release}-py"
     if vllm_path is None and (default_tree / ".complete").exists():

@@ -275,8 +275,9 @@ def test_good_fixtures_import(path):
 
 def test_main_writes_the_entry_atomically(tmp_path, capsys):
     out = tmp_path / "entry.yml"
-    out.write_text("old")
     recipe = RECIPES / "good-qwen3.6-35b-a3b-fp8-mtp.yaml"
+    assert ri.main([str(recipe), "--out", str(out), "--revision", "a" * 40], check=fake_check) == ri.EXIT_DONE
+    # a second import replaces the entry the first one wrote
     rc = ri.main([str(recipe), "--out", str(out), "--revision", "b" * 40], check=fake_check)
     assert rc == ri.EXIT_DONE
     doc = yaml.safe_load(out.read_text())
@@ -285,6 +286,17 @@ def test_main_writes_the_entry_atomically(tmp_path, capsys):
     assert entry["checkpoints"][0]["revision"] == "b" * 40
     assert len(entry["imported_from"]["recipe_sha256"]) == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry.yml"]  # no temporary left beside it
+
+
+@pytest.mark.parametrize("content", ["old", "other: {name: x}\n", "a: 1\nb: 2\n"])
+def test_main_never_replaces_a_file_it_did_not_write(tmp_path, capsys, content):
+    out = tmp_path / "entry.yml"
+    out.write_text(content)
+    recipe = RECIPES / "good-qwen3.6-35b-a3b-fp8-mtp.yaml"
+    assert ri.main([str(recipe), "--out", str(out)], check=fake_check) == ri.EXIT_USAGE
+    assert out.read_text() == content
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no entry this tool wrote" in err[0]
 
 
 def test_main_refuses_with_one_line_per_reason_and_exit_1(tmp_path, capsys):
