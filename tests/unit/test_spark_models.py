@@ -1,0 +1,181 @@
+"""Unit tests for filter_plugins/spark_models.py and group_vars/all/models.yml: the model catalogue."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from spark_methods import SETTING_DEFAULTS
+from spark_models import FilterModule, spark_model_entry_errors, spark_model_errors
+
+ROOT = Path(__file__).resolve().parents[2]
+GV = ROOT / "group_vars" / "all"
+MODELS = yaml.safe_load((GV / "models.yml").read_text(encoding="utf-8"))
+METHODS = yaml.safe_load((GV / "methods.yml").read_text(encoding="utf-8"))
+CATALOGUE = MODELS["spark_model_catalogue"]
+METHOD_CAT = METHODS["spark_method_catalogue"]
+VARIANTS = METHODS["spark_vllm_variants"]
+BIG = "qwen3.5-122b-hybrid"
+SMALL = "qwen3.6-35b-a3b-fp8"
+
+
+def _yaml(name: str) -> dict:
+    return yaml.safe_load((GV / name).read_text(encoding="utf-8"))
+
+
+def errors(model=BIG, method="mtp", catalogue=None, drafters=None) -> list[str]:
+    return spark_model_errors(model, CATALOGUE if catalogue is None else catalogue, method, METHOD_CAT,
+                              VARIANTS, drafters)
+
+
+def entry_errors(mutate) -> list[str]:
+    entry = copy.deepcopy(CATALOGUE[BIG])
+    mutate(entry)
+    return spark_model_entry_errors(BIG, entry, METHOD_CAT, VARIANTS)
+
+
+# --- the catalogue file ---------------------------------------------------------------------------
+
+def test_default_model_is_the_122b_hybrid():
+    assert MODELS["model"] == BIG
+
+
+@pytest.mark.parametrize("name", sorted(CATALOGUE))
+def test_every_entry_is_sound(name):
+    assert spark_model_entry_errors(name, CATALOGUE[name], METHOD_CAT, VARIANTS) == []
+
+
+def test_122b_entry_equals_todays_knobs():
+    """The first entry is today's model: wired or not, it must not drift from the knobs it came from."""
+    model, storage, main = _yaml("model.yml"), _yaml("storage.yml"), _yaml("main.yml")
+    entry = CATALOGUE[BIG]
+    by_role = {c["role"]: c for c in entry["checkpoints"]}
+    assert by_role["int4"]["repo"] == model["model_fetch_int4_repo"]
+    assert by_role["int4"]["revision"] == model["model_fetch_int4_revision"]
+    assert by_role["fp8"]["repo"] == model["model_fetch_fp8_repo"]
+    assert by_role["fp8"]["revision"] == model["model_fetch_fp8_revision"]
+    assert by_role["fp8"]["mode"] == model["model_fetch_fp8_mode"]
+    sizes = {k: v for k, v in storage["spark_checkpoint_bytes"].items() if k != "drafters"}
+    assert entry["sizes"]["disk_bytes"] == sizes
+    assert entry["model_dir"] == main["spark_model_dir"]
+    for knob, value in entry["serve"].items():
+        assert main[knob] == value, knob
+    assert entry["extra_args"] == main["vllm_serve_extra_args"]
+    assert set(entry["methods"]) == set(METHOD_CAT)
+    assert entry["methods"]["dflash"]["drafter"] == main["spec_dflash_drafter"]
+    assert entry["vllm_variant"] == METHOD_CAT["mtp"]["vllm_variant"]
+
+
+def test_35b_entry_keeps_the_122b_int8_head_off_and_its_size_unknown():
+    entry = CATALOGUE[SMALL]
+    assert entry["serve"]["vllm_lm_head_int8"] is False
+    assert entry["sizes"]["disk_bytes"] == {"checkpoint": None}
+    assert entry["assembly"] == "none"
+    assert entry["model_dir"] != CATALOGUE[BIG]["model_dir"]
+
+
+def test_serve_keys_are_main_yml_knobs():
+    for entry in CATALOGUE.values():
+        assert set(entry["serve"]) <= set(SETTING_DEFAULTS)
+
+
+# --- the model x method check --------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", sorted(METHOD_CAT))
+def test_default_model_deploys_with_every_method(method):
+    assert errors(method=method, drafters={"dflash": "z-lab/Qwen3.5-122B-A10B-DFlash", "eagle3": ""}) == []
+
+
+def test_unknown_model_lists_the_known_ones():
+    (msg,) = errors(model="qwen3-8b")
+    assert "model='qwen3-8b' is not in the model catalogue" in msg
+    assert BIG in msg and SMALL in msg and "group_vars/all/models.yml" in msg
+
+
+def test_empty_catalogue_is_refused():
+    (msg,) = spark_model_errors(BIG, {}, "mtp", METHOD_CAT, VARIANTS)
+    assert "spark_model_catalogue is empty" in msg
+
+
+def test_method_the_model_does_not_support():
+    msgs = errors(model=SMALL, method="dflash")
+    assert any("spec_method='dflash' is not supported by model=qwen3.6-35b-a3b-fp8; it supports: "
+               "baseline, ngram, mtp" in m for m in msgs)
+
+
+def test_unknown_size_is_refused_where_preflight_needs_it():
+    msgs = errors(model=SMALL, method="mtp")
+    assert any("its size on disk is unknown (sizes.disk_bytes checkpoint null)" in m
+               and "preflight's disk check" in m for m in msgs)
+
+
+def test_plain_checkpoint_is_refused_until_the_stage_carries_it_out():
+    msgs = errors(model=SMALL, method="mtp")
+    assert any("assembly none is not carried out by the model stage yet" in m
+               and f"deploy {BIG}" in m for m in msgs)
+
+
+def test_a_drafter_of_another_model_is_refused():
+    cat = copy.deepcopy(CATALOGUE)
+    cat[SMALL]["methods"]["dflash"] = {"drafter": "z-lab/Qwen3.6-35B-A3B-DFlash"}
+    msgs = errors(model=SMALL, method="dflash", catalogue=cat,
+                  drafters={"dflash": "z-lab/Qwen3.5-122B-A10B-DFlash"})
+    assert any("spec_dflash_drafter='z-lab/Qwen3.5-122B-A10B-DFlash' is the dflash drafter of "
+               f"{BIG}, not of model={SMALL}; set spec_dflash_drafter to z-lab/Qwen3.6-35B-A3B-DFlash" in m
+               for m in msgs)
+
+
+def test_a_drafter_of_no_catalogue_model_is_the_owners_choice():
+    assert errors(method="eagle3", drafters={"eagle3": "/models/my-eagle3"}) == []
+
+
+def test_a_broken_entry_is_reported_before_the_method():
+    cat = copy.deepcopy(CATALOGUE)
+    cat[BIG]["vllm_variant"] = "v9"
+    (msg,) = errors(catalogue=cat)
+    assert "spark_model_catalogue.qwen3.5-122b-hybrid.vllm_variant='v9' is not a build variant" in msg
+
+
+# --- the entry check, by message -----------------------------------------------------------------
+
+@pytest.mark.parametrize(("mutate", "expected"), [
+    (lambda e: e.pop("model_dir"), "lacks model_dir"),
+    (lambda e: e.update(colour="red"), "has unknown keys colour"),
+    (lambda e: e.update(assembly="gguf"), "assembly='gguf' must be one of hybrid_merge, none"),
+    (lambda e: e["checkpoints"][0].update(revision="v1.0"), "revision='v1.0' must be a commit (40 hex)"),
+    (lambda e: e["checkpoints"][0].update(repo="not a repo"), "repo='not a repo' is not a Hub repo id"),
+    (lambda e: e["checkpoints"][0].update(mode="partial"), "mode='partial' must be one of full, extract"),
+    (lambda e: e["checkpoints"][0].pop("mode"), "checkpoints[0] has missing mode keys"),
+    (lambda e: e.update(checkpoints=[]), "checkpoints must be a non-empty list"),
+    (lambda e: e["checkpoints"][1].update(role="int4"), "the roles ['int4', 'int4'] repeat"),
+    (lambda e: e.update(assembly="none"), "assembly none serves one checkpoint as fetched"),
+    (lambda e: e["checkpoints"].pop(), "assembly hybrid_merge merges an int4 and an fp8 checkpoint"),
+    (lambda e: e.update(model_dir="srv/x"), "model_dir='srv/x' must be an absolute directory"),
+    (lambda e: e.update(model_dir="/srv/models/"), "model_dir='/srv/models/' must be an absolute directory"),
+    (lambda e: e["sizes"].pop("memory_bytes"), "sizes must be a mapping with disk_bytes and memory_bytes"),
+    (lambda e: e["sizes"]["disk_bytes"].update(int4="80G"), "disk_bytes.int4='80G' must be a positive"),
+    (lambda e: e["sizes"].update(memory_bytes=-1), "memory_bytes=-1 must be a positive integer or null"),
+    (lambda e: e["serve"].update(vllm_colour=1), "serve.vllm_colour is not a serve knob of"),
+    (lambda e: e.update(server_env={"lower": "1"}), "server_env must map upper-case variable names"),
+    (lambda e: e.update(extra_args=["--port", "1"]), "extra_args: extra_args[0]='--port' repeats an option"),
+    (lambda e: e["methods"].update(medusa={}), "methods.medusa is not in the method catalogue"),
+    (lambda e: e["methods"].update(mtp={"drafter": "x/y"}), "methods.mtp names a drafter, but mtp takes"),
+    (lambda e: e["methods"].update(mtp={"tokens": 3}), "methods.mtp has unknown keys tokens"),
+    (lambda e: e.update(methods={}), "methods must map at least one method"),
+])
+def test_entry_errors_by_message(mutate, expected):
+    msgs = entry_errors(mutate)
+    assert any(expected in m for m in msgs), msgs
+
+
+def test_entry_name_and_type():
+    assert "the name must be lower case" in spark_model_entry_errors("Big Model", {}, METHOD_CAT, VARIANTS)[0]
+    assert "must be a mapping" in spark_model_entry_errors("x", [], METHOD_CAT, VARIANTS)[0]
+
+
+def test_filter_module_and_validate_play():
+    assert set(FilterModule().filters()) == {"spark_model_entry_errors", "spark_model_errors"}
+    play = (ROOT / "playbooks" / "validate.yml").read_text(encoding="utf-8")
+    assert "model | spark_model_errors(spark_model_catalogue, spec_method" in play
