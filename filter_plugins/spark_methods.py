@@ -59,12 +59,49 @@ ROLE_SETTING_DEFAULTS: dict[str, object] = {
 }
 
 
-def _load_knob_defaults(path: Path = MAIN_YML) -> dict[str, object]:
-    """The knobs of main.yml with their defaults, plus ROLE_SETTING_DEFAULTS (a name in both is refused:
-    it would have two defaults)."""
+# A knob whose default is the selected model's value (group_vars/all/models.yml, spark_model_entry): here it
+# takes the default model's value, the one Ansible resolves when no -e model= is given.
+_MODEL_DEFAULT_RE = re.compile(r"\{\{\s*spark_model_entry\.([A-Za-z0-9_.]+)\s*\}\}")
+
+
+MODELS_YML = MAIN_YML.parent / "models.yml"
+
+
+def _model_defaults(knobs: dict, path: Path) -> dict:
+    """``knobs`` with each ``{{ spark_model_entry.<path> }}`` default replaced by the default model's
+    value (group_vars/all/models.yml)."""
+    if not any(isinstance(v, str) and _MODEL_DEFAULT_RE.fullmatch(v) for v in knobs.values()):
+        return knobs
+    models = yaml.safe_load(MODELS_YML.read_text(encoding="utf-8"))
+    entry = models["spark_model_catalogue"][models["model"]]
+    out = dict(knobs)
+    for name, value in knobs.items():
+        match = _MODEL_DEFAULT_RE.fullmatch(value) if isinstance(value, str) else None
+        if not match:
+            continue
+        node = entry
+        for key in match.group(1).split("."):
+            if not isinstance(node, dict) or key not in node:
+                raise CatalogueError(f"{path}: {name} reads spark_model_entry.{match.group(1)}, which the "
+                                     f"default model {models['model']} of {MODELS_YML} lacks")
+            node = node[key]
+        out[name] = node
+    return out
+
+
+def main_yml_defaults(path: Path = MAIN_YML) -> dict[str, object]:
+    """The knobs of main.yml with the values Ansible gives them when nothing overrides them (a default read
+    from the model's entry is the default model's value)."""
     knobs = yaml.safe_load(path.read_text(encoding="utf-8"))
     if not isinstance(knobs, dict) or not knobs:
         raise CatalogueError(f"{path}: expected a mapping of user knobs to their defaults")
+    return _model_defaults(knobs, path)
+
+
+def _load_knob_defaults(path: Path = MAIN_YML) -> dict[str, object]:
+    """The knobs of main.yml with their defaults (``main_yml_defaults``), plus ROLE_SETTING_DEFAULTS (a name
+    in both is refused: it would have two defaults)."""
+    knobs = main_yml_defaults(path)
     both = sorted(set(knobs) & set(ROLE_SETTING_DEFAULTS))
     if both:
         raise CatalogueError(f"{path} defines {both}, which ROLE_SETTING_DEFAULTS in {__file__} defines too")

@@ -7,8 +7,8 @@ bottom. The entry format and its rules: docs/model-catalogue.md section 1.
   recipe, named by key).
 - ``spark_model_errors``: the check playbooks/validate.yml runs before any host is touched: the selected
   ``model`` exists (else the known ones), its entry is sound, ``spec_method`` is one of the methods it
-  supports, a drafter knob does not name another model's drafter, every size preflight's disk check needs is
-  known, and its assembly is one the roles carry out.
+  supports (an unknown method is left to the method check), a drafter knob does not name another model's
+  drafter, every size preflight's disk check needs is known, and its assembly is one the roles carry out.
 
 Example (a playbook)::
 
@@ -216,10 +216,10 @@ def spark_model_errors(model, catalogue: Mapping, method, method_catalogue: Mapp
     if errors:
         return errors
     methods = entry["methods"]
-    if method not in methods:
+    if method not in methods and isinstance(method_catalogue, Mapping) and method in method_catalogue:
         errors.append(f"spec_method={method!r} is not supported by model={model}; it supports: "
                       f"{', '.join(methods)}")
-    else:
+    elif method in methods:
         errors += _drafter_errors(model, entry, method, catalogue, drafters or {})
     unknown = [k for k, v in entry["sizes"]["disk_bytes"].items() if v is None]
     if unknown:

@@ -61,6 +61,8 @@ def _default(name: str, opt: dict, defaults: dict, shared: dict) -> str:
     if "default" not in opt and name not in defaults and name not in shared:
         return ""
     value = opt["default"] if "default" in opt else defaults.get(name, shared.get(name))
+    if isinstance(value, str) and "spark_model_entry" in value and "default" not in opt:
+        return "the model's (`group_vars/all/models.yml`)"
     shown = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
     if len(shown) > MAX_DEFAULT:
         return "see `defaults/main.yml`" if name in defaults or "default" in opt else "see `group_vars/all/`"

@@ -78,6 +78,9 @@ def test_stage_playbook_alone_finds_the_settings(outside_inventory: Path) -> Non
 # The playbook's rows of the bad-input table: (extra vars, what the one message must name).
 BAD_E = [
     (["-e", "spec_method=bogus"], "spec_method='bogus' is not a known method"),
+    (["-e", "model=bogus"], "model='bogus' is not in the model catalogue; set -e model= to one of"),
+    (["-e", "model=qwen3.6-35b-a3b-fp8"], "its size on disk is unknown"),
+    (["-e", "model=qwen3.6-35b-a3b-fp8", "-e", "spec_method=dflash"], "it supports: baseline, ngram, mtp"),
     (["-e", "spec_method=eagle3"], "spec_eagle3_drafter"),
     (["-e", "bench_force=yes"], "bench_force must be a boolean"),
     (["-e", "spec_num_speculative_tokens=3"], "spec_num_speculative_tokens"),

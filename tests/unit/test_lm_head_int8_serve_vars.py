@@ -27,9 +27,13 @@ def env():
 
 
 def test_the_int8_head_is_on_by_default_and_names_its_evidence():
+    # The default is the model's (group_vars/all/models.yml): on for the 122B, the default model.
+    models = yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())
+    assert models["spark_model_catalogue"][models["model"]]["serve"]["vllm_lm_head_int8"] is True
     text = (ROOT / "group_vars/all/main.yml").read_text()
-    assert yaml.safe_load(text)["vllm_lm_head_int8"] is True
-    comment = text[:text.index("vllm_lm_head_int8: true")].rsplit("\n\n", 1)[-1]
+    line = 'vllm_lm_head_int8: "{{ spark_model_entry.serve.vllm_lm_head_int8 }}"'
+    assert yaml.safe_load(text)["vllm_lm_head_int8"] == line.split(": ", 1)[1].strip('"')
+    comment = text[:text.index(line)].rsplit("\n\n", 1)[-1]
     for source in ("albond/DGX_Spark_Qwen3.5-122B-A10B-AR-INT4", "Entrpi/qwen3.5-122B-A10B-on-spark"):
         assert source in comment
 

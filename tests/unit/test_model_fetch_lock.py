@@ -30,6 +30,8 @@ def run_state(tmp_path: Path, fact: dict, **extra: object) -> dict:
   vars_files:
     - {ROOT}/group_vars/all/storage.yml
     - {ROOT}/group_vars/all/model.yml
+    - {ROOT}/group_vars/all/models.yml
+    - {ROOT}/group_vars/all/main.yml
     - {ROOT}/roles/spark_tools/defaults/main.yml
     - {ROOT}/roles/model_fetch/defaults/main.yml
   tasks:

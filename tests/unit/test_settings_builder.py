@@ -14,7 +14,7 @@ import jinja2.nativetypes
 import pytest
 import yaml
 from ansible.plugins.filter.core import FilterModule as CoreFilters
-from spark_methods import SETTING_DEFAULTS, spark_method_settings_errors, spark_serve_argv
+from spark_methods import SETTING_DEFAULTS, main_yml_defaults, spark_method_settings_errors, spark_serve_argv
 from spark_methods import FilterModule as SparkMethodFilters
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,8 @@ def _group_vars() -> dict:
     out: dict = {}
     for f in sorted((ROOT / "group_vars" / "all").glob("*.yml")):
         out.update(yaml.safe_load(f.read_text()) or {})
-    return out
+    # main.yml's model-read defaults as Ansible resolves them for the default model
+    return {**out, **main_yml_defaults()}
 
 
 def _task_var(path: str, task_name_part: str, var: str) -> str:

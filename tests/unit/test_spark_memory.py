@@ -197,10 +197,15 @@ def test_the_budget_has_the_same_bound():
 
 
 def test_the_serve_settings_and_argv_use_the_same_fraction():
-    from spark_methods import SETTING_DEFAULTS, spark_method_settings_errors, spark_serve_argv
+    from spark_methods import (
+        SETTING_DEFAULTS,
+        main_yml_defaults,
+        spark_method_settings_errors,
+        spark_serve_argv,
+    )
 
     def settings(**kw):
-        return {**SETTING_DEFAULTS, **yaml.safe_load((ROOT / "group_vars/all/main.yml").read_text()),
+        return {**SETTING_DEFAULTS, **main_yml_defaults(),
                 "vllm_model_path": "/model", **kw}
 
     errors = spark_method_settings_errors(settings(vllm_gpu_memory_utilization=0.96), CATALOGUE)

@@ -35,7 +35,10 @@ def catalogue(methods_yml):
 
 @pytest.fixture(scope="module")
 def main_yml():
-    return yaml.safe_load((GROUP_VARS / "main.yml").read_text())
+    """main.yml's knobs as Ansible resolves them by default (a model-read default: the default model's)."""
+    import spark_methods
+
+    return spark_methods.main_yml_defaults()
 
 
 def settings(**overrides):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +23,6 @@ METHOD_CAT = METHODS["spark_method_catalogue"]
 VARIANTS = METHODS["spark_vllm_variants"]
 BIG = "qwen3.5-122b-hybrid"
 SMALL = "qwen3.6-35b-a3b-fp8"
-
-
-def _yaml(name: str) -> dict:
-    return yaml.safe_load((GV / name).read_text(encoding="utf-8"))
 
 
 def errors(model=BIG, method="mtp", catalogue=None, drafters=None) -> list[str]:
@@ -47,25 +47,70 @@ def test_every_entry_is_sound(name):
     assert spark_model_entry_errors(name, CATALOGUE[name], METHOD_CAT, VARIANTS) == []
 
 
-def test_122b_entry_equals_todays_knobs():
-    """The first entry is today's model: wired or not, it must not drift from the knobs it came from."""
-    model, storage, main = _yaml("model.yml"), _yaml("storage.yml"), _yaml("main.yml")
-    entry = CATALOGUE[BIG]
-    by_role = {c["role"]: c for c in entry["checkpoints"]}
-    assert by_role["int4"]["repo"] == model["model_fetch_int4_repo"]
-    assert by_role["int4"]["revision"] == model["model_fetch_int4_revision"]
-    assert by_role["fp8"]["repo"] == model["model_fetch_fp8_repo"]
-    assert by_role["fp8"]["revision"] == model["model_fetch_fp8_revision"]
-    assert by_role["fp8"]["mode"] == model["model_fetch_fp8_mode"]
-    sizes = {k: v for k, v in storage["spark_checkpoint_bytes"].items() if k != "drafters"}
-    assert entry["sizes"]["disk_bytes"] == sizes
-    assert entry["model_dir"] == main["spark_model_dir"]
-    for knob, value in entry["serve"].items():
-        assert main[knob] == value, knob
-    assert entry["extra_args"] == main["vllm_serve_extra_args"]
-    assert set(entry["methods"]) == set(METHOD_CAT)
-    assert entry["methods"]["dflash"]["drafter"] == main["spec_dflash_drafter"]
-    assert entry["vllm_variant"] == METHOD_CAT["mtp"]["vllm_variant"]
+# The knobs the model's entry now sets, with the literal values they had before issue 49 (commit e5ec2a4):
+# the default model must resolve every one of them unchanged (same units, paths, facts and stage inputs).
+BEFORE_ISSUE_49 = {
+    "vllm_served_model_name": "qwen3.5-122b", "vllm_max_model_len": 262144, "vllm_reasoning_parser": "qwen3",
+    "vllm_tool_call_parser": "qwen3_coder", "vllm_load_format": "fastsafetensors", "vllm_lm_head_int8": True,
+    "spark_model_dir": "/srv/models/qwen3.5-122b-hybrid", "vllm_serve_extra_args": [],
+    "model_fetch_int4_repo": "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "model_fetch_int4_revision": "main",
+    "model_fetch_fp8_repo": "Qwen/Qwen3.5-122B-A10B-FP8", "model_fetch_fp8_revision": "main",
+    "model_fetch_fp8_mode": "extract",
+    "spark_checkpoint_bytes": {"int4": 80000000000, "fp8_extract": 600000000, "fp8_full": 130000000000,
+                               "hybrid": 76000000000,
+                               "drafters": {"eagle3": 6000000000, "dflash": 8000000000}},
+}
+PLAYBOOK_BIN = Path(sys.executable).parent / "ansible-playbook"
+
+
+def resolve(tmp_path: Path, names, **extra) -> dict:
+    """The values Ansible resolves for ``names`` from group_vars/all, with ``extra`` as -e."""
+    out = tmp_path / "out.json"
+    play = tmp_path / "play.yml"
+    play.write_text(f"""
+- hosts: spark
+  gather_facts: false
+  tasks:
+    - ansible.builtin.copy:
+        dest: {out}
+        content: "{{{{ {{{', '.join(f"'{n}': {n}" for n in names)}}} | to_json }}}}"
+        mode: "0644"
+      delegate_to: localhost
+""")
+    (tmp_path / "group_vars").symlink_to(ROOT / "group_vars")
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp")}
+    res = subprocess.run([str(PLAYBOOK_BIN), "-i", str(ROOT / "inventory" / "hosts.yml"), str(play),
+                          "-e", json.dumps({"ansible_python_interpreter": sys.executable, **extra})],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not PLAYBOOK_BIN.exists(), reason="ansible-playbook not in this venv")
+def test_default_model_resolves_todays_values(tmp_path: Path):
+    assert resolve(tmp_path, BEFORE_ISSUE_49) == BEFORE_ISSUE_49
+
+
+@pytest.mark.skipif(not PLAYBOOK_BIN.exists(), reason="ansible-playbook not in this venv")
+def test_another_model_sets_the_knobs_and_a_set_knob_wins(tmp_path: Path):
+    names = ["vllm_served_model_name", "vllm_max_model_len", "vllm_lm_head_int8", "spark_model_dir",
+             "vllm_load_format", "vllm_serve_extra_args"]
+    got = resolve(tmp_path, names, model=SMALL, vllm_load_format="safetensors")
+    assert got == {"vllm_served_model_name": "qwen3.6-35b-a3b", "vllm_max_model_len": 65536,
+                   "vllm_lm_head_int8": False, "spark_model_dir": "/srv/models/qwen3.6-35b-a3b-fp8",
+                   "vllm_load_format": "safetensors", "vllm_serve_extra_args": ["--kv-cache-dtype", "fp8"]}
+
+
+def test_knob_defaults_read_the_default_models_entry():
+    """The argv filter's defaults (main.yml) resolve a model-read default to the default model's value."""
+    for knob, value in CATALOGUE[BIG]["serve"].items():
+        assert SETTING_DEFAULTS[knob] == value, knob
+    assert SETTING_DEFAULTS["spark_model_dir"] == CATALOGUE[BIG]["model_dir"]
+    assert SETTING_DEFAULTS["vllm_serve_extra_args"] == CATALOGUE[BIG]["extra_args"]
+    assert CATALOGUE[BIG]["methods"]["dflash"]["drafter"] == SETTING_DEFAULTS["spec_dflash_drafter"]
+    assert CATALOGUE[BIG]["vllm_variant"] == METHOD_CAT["mtp"]["vllm_variant"]
+    assert set(CATALOGUE[BIG]["methods"]) == set(METHOD_CAT)
 
 
 def test_35b_entry_keeps_the_122b_int8_head_off_and_its_size_unknown():
@@ -92,6 +137,10 @@ def test_unknown_model_lists_the_known_ones():
     (msg,) = errors(model="qwen3-8b")
     assert "model='qwen3-8b' is not in the model catalogue" in msg
     assert BIG in msg and SMALL in msg and "group_vars/all/models.yml" in msg
+
+
+def test_an_unknown_method_is_left_to_the_method_check():
+    assert errors(method="medusa") == []
 
 
 def test_empty_catalogue_is_refused():
