@@ -22,7 +22,7 @@ export $(USER_VARS) BIN
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
 .PHONY: setup deploy check test test-fast test-affected lint unit contract contract-env molecule testhost-image lock \
-        bench-merge bench-runner demo gpu-e2e gpu-first-start gpu-dflash gpu-dflash-graph \
+        bench-merge bench-runner demo gpu-e2e gpu-model gpu-first-start gpu-dflash gpu-dflash-graph \
         gpu-shared-experts gpu-proxy gpu-head-records tune clean
 
 # --- set-up ----------------------------------------------------------------
@@ -115,6 +115,11 @@ clean:
 # On a host with a CUDA GPU where `import vllm` works; see tests/gpu/e2e.py and docs/gpu-e2e/README.md.
 gpu-e2e:
 	"$$PYTHON" scripts/make_run.py gpu-e2e
+
+# One model catalogue entry (ARGS="--model NAME", default qwen3.6-35b-a3b-fp8) served through our rendered argv,
+# baseline and mtp at once, the runner's counters checked against /metrics (tests/gpu/model_entry.py)
+gpu-model:
+	"$$PYTHON" scripts/make_run.py gpu-model
 
 # First starts with CUDA graphs, FlashInfer, fastsafetensors and EAGLE-3 (tests/gpu/first_start.py);
 # ARGS e.g. --cases graph-base,fi-graph-base --flashinfer-cuda-home DIR (tests/gpu/cuda_home.sh makes one)

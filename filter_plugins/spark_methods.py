@@ -62,6 +62,8 @@ ROLE_SETTING_DEFAULTS: dict[str, object] = {
 # A knob whose default is the selected model's value (group_vars/all/models.yml, spark_model_entry): here it
 # takes the default model's value, the one Ansible resolves when no -e model= is given.
 _MODEL_DEFAULT_RE = re.compile(r"\{\{\s*spark_model_entry\.([A-Za-z0-9_.]+)\s*\}\}")
+# spark_model_dir's default: the model's directory under spark_model_root (group_vars/all/storage.yml).
+_MODEL_DIR_RE = re.compile(r"\{\{\s*spark_model_root\s*\}\}/(\{\{\s*spark_model_entry\.model_dir\s*\}\})")
 
 
 MODELS_YML = MAIN_YML.parent / "models.yml"
@@ -70,12 +72,19 @@ MODELS_YML = MAIN_YML.parent / "models.yml"
 def _model_defaults(knobs: dict, path: Path) -> dict:
     """``knobs`` with each ``{{ spark_model_entry.<path> }}`` default replaced by the default model's
     value (group_vars/all/models.yml)."""
-    if not any(isinstance(v, str) and _MODEL_DEFAULT_RE.fullmatch(v) for v in knobs.values()):
+    if not any(isinstance(v, str) and (_MODEL_DEFAULT_RE.fullmatch(v) or _MODEL_DIR_RE.fullmatch(v))
+               for v in knobs.values()):
         return knobs
     models = yaml.safe_load(MODELS_YML.read_text(encoding="utf-8"))
     entry = models["spark_model_catalogue"][models["model"]]
     out = dict(knobs)
     for name, value in knobs.items():
+        under_root = _MODEL_DIR_RE.fullmatch(value) if isinstance(value, str) else None
+        if under_root:
+            storage = yaml.safe_load((MAIN_YML.parent / "storage.yml").read_text(encoding="utf-8"))
+            root = storage["spark_model_root"]
+            out[name] = f"{root}/{entry['model_dir']}"
+            continue
         match = _MODEL_DEFAULT_RE.fullmatch(value) if isinstance(value, str) else None
         if not match:
             continue

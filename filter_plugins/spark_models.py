@@ -36,10 +36,9 @@ REQUIRED_KEYS = ("description", "checkpoints", "assembly", "model_dir", "sizes",
 CHECKPOINT_KEYS = {"role", "repo", "revision", "mode"}
 # hybrid_merge: the INT4 + FP8 merge and the MTP index patch (roles/model_hybrid); none: served as fetched.
 ASSEMBLIES = ("hybrid_merge", "none")
-# The assemblies the model stage carries out today. model_fetch fetches the int4 and fp8 pieces only; a plain
-# checkpoint (assembly none) is refused by validate until the fetch and the serve stage read the entry
-# (issue 49 item 1, not done).
-WIRED_ASSEMBLIES = ("hybrid_merge",)
+# The pieces each assembly writes, as sizes.disk_bytes must name them (preflight's disk check reads them:
+# roles/preflight/vars/main.yml; model_fetch the checkpoint's for a Hub fetch).
+DISK_KEYS = {"hybrid_merge": {"int4", "fp8_extract", "fp8_full", "hybrid"}, "none": {"checkpoint"}}
 FETCH_MODES = ("full", "extract")
 # A method entry of a model: {} (the method catalogue's entry as is) or the drafter it uses with this model.
 METHOD_KEYS = {"drafter", "drafter_revision"}
@@ -153,12 +152,16 @@ def spark_model_entry_errors(name: str, entry, method_catalogue: Mapping, varian
     if "checkpoints" in entry:
         _check_checkpoints(errors, where, entry["checkpoints"], assembly)
     model_dir = entry.get("model_dir")
-    if "model_dir" in entry and not (isinstance(model_dir, str) and model_dir.startswith("/")
-                                     and model_dir.rstrip("/") not in ("", "/srv", "/srv/models")):
-        errors.append(f"{where}.model_dir={model_dir!r} must be an absolute directory of its own "
-                      f"on the Spark")
+    if "model_dir" in entry and not (isinstance(model_dir, str) and _NAME_RE.fullmatch(model_dir)):
+        errors.append(f"{where}.model_dir={model_dir!r} must be a directory name (letters, digits, . _ -): "
+                      f"the model's own directory under spark_model_root")
     if "sizes" in entry:
         _check_sizes(errors, where, entry["sizes"])
+        disk = entry["sizes"].get("disk_bytes") if isinstance(entry["sizes"], Mapping) else None
+        want = DISK_KEYS.get(assembly)
+        if want and isinstance(disk, Mapping) and disk and set(disk) != want:
+            errors.append(f"{where}.sizes.disk_bytes names {', '.join(sorted(disk))}; assembly {assembly} "
+                          f"writes {', '.join(sorted(want))} (one size each, null = unknown)")
     serve = entry.get("serve")
     if "serve" in entry:
         if not isinstance(serve, Mapping):
@@ -226,12 +229,6 @@ def spark_model_errors(model, catalogue: Mapping, method, method_catalogue: Mapp
         errors.append(f"model={model}: its size on disk is unknown (sizes.disk_bytes "
                       f"{', '.join(unknown)} null), and preflight's disk check needs it; fill it in from the "
                       f"Hub's file sizes in group_vars/all/models.yml")
-    if entry["assembly"] not in WIRED_ASSEMBLIES:
-        wired = [k for k, v in catalogue.items()
-                 if isinstance(v, Mapping) and v.get("assembly") in WIRED_ASSEMBLIES]
-        errors.append(f"model={model}: assembly {entry['assembly']} is not carried out by the model stage "
-                      f"yet (it fetches and merges the hybrid only; issue 49 item 1); deploy "
-                      f"{', '.join(wired)}")
     return errors
 
 

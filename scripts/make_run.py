@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The Makefile's runner: build a target's argv from make's variables, without a shell.
 
-usage: make_run.py TARGET     (TARGET: deploy, check, tune, gpu-e2e, gpu-first-start, gpu-dflash,
+usage: make_run.py TARGET     (TARGET: deploy, check, tune, gpu-e2e, gpu-model, gpu-first-start, gpu-dflash,
                                gpu-dflash-graph, gpu-shared-experts, gpu-proxy, gpu-head-records)
 
 The Makefile exports its user variables (SPEC_METHOD, INVENTORY, ARGS) and calls this script; the
@@ -39,6 +39,7 @@ CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 # target: (script, output directory, the target's own arguments before ARGS)
 GPU_TARGETS = {
     "gpu-e2e": ("tests/gpu/e2e.py", "results/gpu-e2e", ()),
+    "gpu-model": ("tests/gpu/model_entry.py", "results/gpu-model", ()),
     "gpu-first-start": ("tests/gpu/first_start.py", "results/gpu-first-start", ()),
     "gpu-dflash": ("tests/gpu/dflash_bench.py", "results/gpu-dflash", ()),
     # the CUDA-graph DFlash start needs a call of its own on a cold host (~400 s of Triton compile)

@@ -8,6 +8,9 @@ SPEC (JSON, written by the model_fetch role):
    "int4_dir": DIR, "fp8_dir": DIR, "merge_out": DIR, "token_file": FILE}
   Each argv is a complete fetch_checkpoint.py command line. merge_out is hybrid_merge.py's --out
   (the model stage's staging directory); the shards go to its <merge_out>.parts.
+  "merge" (optional, default true): false for a model served as fetched (catalogue assembly none):
+  then the fetch keys are any names (the checkpoints' fact keys), int4_dir, fp8_dir and merge_out are
+  not used, nothing is merged or assembled and the job ends when every fetch ended.
   token_file (optional): a 0600 file holding the Hub token. The job reads it, deletes it at once and
   hands the token to the fetches marked "token" in their environment (HF_TOKEN), never in argv.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -99,6 +103,7 @@ class Job:
     stopping: str = ""
     ready: float | None = None  # when the verified hybrid was in merge_out
     assembly: str = ""
+    merge: bool = True  # False: a model served as fetched (no INT4 + FP8 merge)
 
     def say(self, msg: str) -> None:
         self.log.write(f"{time.strftime('%H:%M:%S')} model_job: {msg}\n")
@@ -122,6 +127,9 @@ class Job:
         return doc
 
 
+KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def load_spec(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -129,18 +137,27 @@ def load_spec(path: Path) -> dict[str, Any]:
         raise SpecError(f"{path}: cannot read the job spec ({exc}); the model_fetch role writes it") from None
     if not isinstance(doc, dict):
         raise SpecError(f"{path}: the job spec must be a JSON object")
-    for key in ("int4_dir", "fp8_dir", "merge_out"):
+    merge = doc.get("merge", True)
+    if not isinstance(merge, bool):
+        raise SpecError(f"{path}: merge must be true or false")
+    for key in ("int4_dir", "fp8_dir", "merge_out") if merge else ():
         if not isinstance(doc.get(key), str) or not doc[key]:
             raise SpecError(f"{path}: {key} must be a non-empty path")
     if not isinstance(doc.get("token_file", ""), str):
         raise SpecError(f"{path}: token_file must be a path")
     fetches = doc.get("fetches")
+    def keys_ok(k: object) -> bool:
+        return k in ("int4", "fp8") if merge else isinstance(k, str) and bool(KEY_RE.fullmatch(k))
+
     if not isinstance(fetches, list) or not all(
-        isinstance(f, dict) and f.get("key") in ("int4", "fp8") and isinstance(f.get("argv"), list)
+        isinstance(f, dict) and keys_ok(f.get("key")) and isinstance(f.get("argv"), list)
         and f["argv"] and all(isinstance(a, str) for a in f["argv"])
         for f in fetches
     ):
-        raise SpecError(f"{path}: fetches must be a list of {{'key': 'int4'|'fp8', 'argv': [...]}}")
+        want = "'int4'|'fp8'" if merge else "NAME (letters, digits, . _ -)"
+        raise SpecError(f"{path}: fetches must be a list of {{'key': {want}, 'argv': [...]}}")
+    if len({f["key"] for f in fetches}) != len(fetches):
+        raise SpecError(f"{path}: two fetches have the same key")
     return doc
 
 
@@ -234,16 +251,19 @@ def run(job: Job) -> dict[str, object]:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     job.say(f"fetching {', '.join(f.key.upper() for f in job.fetches) or 'nothing'}; "
-            f"merging into {job.merge_out}.parts as the INT4 shards land")
+            + (f"merging into {job.merge_out}.parts as the INT4 shards land" if job.merge
+               else "served as fetched: nothing to merge"))
     job.status("running")
     try:
         start_fetches(job)
         fp8: dict[str, Any] | None = None
         while True:
             reap(job)
-            fp8 = merge_landed(job, fp8)
+            if job.merge:
+                fp8 = merge_landed(job, fp8)
             if all(f.rc is not None for f in job.fetches):
-                fp8 = merge_landed(job, fp8)  # whatever landed with the last byte
+                if job.merge:
+                    fp8 = merge_landed(job, fp8)  # whatever landed with the last byte
                 break
             time.sleep(POLL_S)
     except (JobError, CheckpointError, SafetensorsError, UsageError, OSError) as exc:
@@ -252,7 +272,10 @@ def run(job: Job) -> dict[str, object]:
         job.say(f"failed: {msg}")
         job.status("failed", msg)
         raise JobError(msg) from None
-    assemble(job)
+    if job.merge:
+        assemble(job)
+    else:
+        job.assembly = "none: the model is served as fetched"
     doc = job.status("done")
     job.say(f"done: {len(job.merged)} shard(s) merged; {job.assembly}")
     return doc
@@ -312,9 +335,10 @@ def start(a: argparse.Namespace) -> int:
     log: TextIO = open(a.log, "a", encoding="utf-8") if a.log else sys.stderr  # noqa: SIM115
     job = Job(
         fetches=[Fetch(f["key"], list(f["argv"]), bool(f.get("token"))) for f in spec["fetches"]],
-        int4_dir=Path(spec["int4_dir"]),
-        fp8_dir=Path(spec["fp8_dir"]),
-        merge_out=Path(spec["merge_out"]),
+        int4_dir=Path(spec.get("int4_dir") or "."),
+        fp8_dir=Path(spec.get("fp8_dir") or "."),
+        merge_out=Path(spec.get("merge_out") or "."),
+        merge=spec.get("merge", True),
         status_path=a.status,
         log=log,
         hf_token=token,

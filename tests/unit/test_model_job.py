@@ -212,8 +212,34 @@ def test_the_token_reaches_the_fetch_in_its_environment_and_the_file_is_gone(tmp
     assert "hf_secret" not in (tmp_path / "job.log").read_text()
 
 
+def test_a_model_served_as_fetched_is_fetched_whole_and_nothing_is_merged(
+    mirror: GeneratedPair, tmp_path: Path
+) -> None:
+    # catalogue assembly none: one checkpoint under the model's own key, no merge directories
+    dest = tmp_path / "qwen3.6-35b-a3b-fp8"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"merge": False, "fetches": [
+        {"key": "qwen3.6-35b-a3b-fp8", "argv": fetch_argv(mirror.fp8_dir, dest)}]}))
+    res, status = run_job(tmp_path, spec)
+    assert res.returncode == 0, res.stderr
+    assert status["state"] == "done" and status["merged"] == {}
+    assert status["fetches"]["qwen3.6-35b-a3b-fp8"]["rc"] == 0
+    assert status["assembly"].startswith("none")
+    listed = json.loads((mirror.fp8_dir / "sparkllm-manifest.json").read_text())["files"]
+    assert sorted(fc.verified_files(dest)) == sorted(f["name"] for f in listed)
+    assert not list(tmp_path.glob("*.parts")) and not (tmp_path / "model.staging").exists()
+    assert "served as fetched: nothing to merge" in (tmp_path / "job.log").read_text()
+
+
 @pytest.mark.parametrize("doc", [[], {"fetches": "x", "int4_dir": "a", "fp8_dir": "b", "merge_out": "c"},
-                                 {"fetches": [], "int4_dir": "", "fp8_dir": "b", "merge_out": "c"}])
+                                 {"fetches": [], "int4_dir": "", "fp8_dir": "b", "merge_out": "c"},
+                                 # a merge job takes only int4 and fp8; a plain one any name, once each
+                                 {"fetches": [{"key": "qwen3.6", "argv": ["x"]}], "int4_dir": "a",
+                                  "fp8_dir": "b", "merge_out": "c"},
+                                 {"merge": False, "fetches": [{"key": "../x", "argv": ["x"]}]},
+                                 {"merge": False,
+                                  "fetches": [{"key": "a", "argv": ["x"]}, {"key": "a", "argv": ["y"]}]},
+                                 {"merge": "no", "fetches": []}])
 def test_a_bad_spec_is_a_usage_error(tmp_path: Path, doc: object, capsys: pytest.CaptureFixture) -> None:
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(doc))

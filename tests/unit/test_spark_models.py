@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,17 +107,18 @@ def test_knob_defaults_read_the_default_models_entry():
     """The argv filter's defaults (main.yml) resolve a model-read default to the default model's value."""
     for knob, value in CATALOGUE[BIG]["serve"].items():
         assert SETTING_DEFAULTS[knob] == value, knob
-    assert SETTING_DEFAULTS["spark_model_dir"] == CATALOGUE[BIG]["model_dir"]
+    assert SETTING_DEFAULTS["spark_model_dir"] == "/srv/models/" + CATALOGUE[BIG]["model_dir"]
     assert SETTING_DEFAULTS["vllm_serve_extra_args"] == CATALOGUE[BIG]["extra_args"]
     assert CATALOGUE[BIG]["methods"]["dflash"]["drafter"] == SETTING_DEFAULTS["spec_dflash_drafter"]
     assert CATALOGUE[BIG]["vllm_variant"] == METHOD_CAT["mtp"]["vllm_variant"]
     assert set(CATALOGUE[BIG]["methods"]) == set(METHOD_CAT)
 
 
-def test_35b_entry_keeps_the_122b_int8_head_off_and_its_size_unknown():
+def test_35b_entry_keeps_the_122b_int8_head_off_and_is_pinned():
     entry = CATALOGUE[SMALL]
     assert entry["serve"]["vllm_lm_head_int8"] is False
-    assert entry["sizes"]["disk_bytes"] == {"checkpoint": None}
+    assert set(entry["sizes"]["disk_bytes"]) == {"checkpoint"}
+    assert re.fullmatch(r"[0-9a-f]{40}", entry["checkpoints"][0]["revision"])
     assert entry["assembly"] == "none"
     assert entry["model_dir"] != CATALOGUE[BIG]["model_dir"]
 
@@ -155,15 +157,27 @@ def test_method_the_model_does_not_support():
 
 
 def test_unknown_size_is_refused_where_preflight_needs_it():
-    msgs = errors(model=SMALL, method="mtp")
+    cat = copy.deepcopy(CATALOGUE)
+    cat[SMALL]["sizes"]["disk_bytes"] = {"checkpoint": None}
+    msgs = errors(model=SMALL, method="mtp", catalogue=cat)
     assert any("its size on disk is unknown (sizes.disk_bytes checkpoint null)" in m
                and "preflight's disk check" in m for m in msgs)
 
 
-def test_plain_checkpoint_is_refused_until_the_stage_carries_it_out():
-    msgs = errors(model=SMALL, method="mtp")
-    assert any("assembly none is not carried out by the model stage yet" in m
-               and f"deploy {BIG}" in m for m in msgs)
+def test_a_plain_checkpoint_with_its_size_known_deploys():
+    cat = copy.deepcopy(CATALOGUE)
+    cat[SMALL]["sizes"]["disk_bytes"] = {"checkpoint": 40_000_000_000}
+    assert errors(model=SMALL, method="mtp", catalogue=cat) == []
+
+
+@pytest.mark.parametrize(("model", "disk", "want"), [
+    (SMALL, {"int4": 1}, "assembly none writes checkpoint"),
+    (BIG, {"checkpoint": 1}, "assembly hybrid_merge writes fp8_extract, fp8_full, hybrid, int4"),
+])
+def test_disk_sizes_must_name_what_the_assembly_writes(model, disk, want):
+    cat = copy.deepcopy(CATALOGUE)
+    cat[model]["sizes"]["disk_bytes"] = disk
+    assert any(want in m for m in errors(model=model, method="mtp", catalogue=cat))
 
 
 def test_a_drafter_of_another_model_is_refused():
@@ -201,8 +215,9 @@ def test_a_broken_entry_is_reported_before_the_method():
     (lambda e: e["checkpoints"][1].update(role="int4"), "the roles ['int4', 'int4'] repeat"),
     (lambda e: e.update(assembly="none"), "assembly none serves one checkpoint as fetched"),
     (lambda e: e["checkpoints"].pop(), "assembly hybrid_merge merges an int4 and an fp8 checkpoint"),
-    (lambda e: e.update(model_dir="srv/x"), "model_dir='srv/x' must be an absolute directory"),
-    (lambda e: e.update(model_dir="/srv/models/"), "model_dir='/srv/models/' must be an absolute directory"),
+    (lambda e: e.update(model_dir="srv/x"), "model_dir='srv/x' must be a directory name"),
+    (lambda e: e.update(model_dir="/srv/models/x"), "model_dir='/srv/models/x' must be a directory name"),
+    (lambda e: e.update(model_dir=".."), "model_dir='..' must be a directory name"),
     (lambda e: e["sizes"].pop("memory_bytes"), "sizes must be a mapping with disk_bytes and memory_bytes"),
     (lambda e: e["sizes"]["disk_bytes"].update(int4="80G"), "disk_bytes.int4='80G' must be a positive"),
     (lambda e: e["sizes"].update(memory_bytes=-1), "memory_bytes=-1 must be a positive integer or null"),

@@ -156,6 +156,72 @@ def test_switch_to_ngram(host):
     assert sorted(cells.values()) == sorted(r["run_id"] for r in runs), cells
 
 
+SECOND = "qwen3.6-35b-a3b-fp8"  # the catalogue's second model (group_vars/all/models.yml), assembly none
+MODELS = "/var/tmp/sparkllm-site/models"
+
+
+def _model_files(host) -> dict[str, str]:
+    """Every file under the model root (both models' directories and the 122B's downloads): path -> inode,
+    size and mtime, so a re-download, a re-merge or a rewrite in place shows."""
+    out = host.run(f"find {MODELS} -type f -printf '%p %i %s %T@\\n'").stdout
+    return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if line.strip()}
+
+
+def _build_image_ids(host) -> dict:
+    return {k: host.run(f"docker image inspect --format '{{{{.Id}}}}' {v}").stdout.strip()
+            for k, v in _fact(host, "spark_build")["images"].items()}
+
+
+@fresh
+def test_second_model_deploys_from_the_catalogue_without_a_rebuild(host):
+    """-e model=: the 35B's plain FP8 checkpoint is fetched whole from the mirror into its own directory,
+    verified (no merge), and served by the same vLLM image with its entry's settings; the 122B's
+    downloads and merged model stay as they were."""
+    before, build, images = _model_files(host), _fact(host, "spark_build"), _build_image_ids(host)
+    res = run_playbook("site.yml", {"model": SECOND, "spec_method": "mtp", "bench_enabled": False})
+    assert res.rc == 0, res.output[-4000:]
+    words = " ".join(res.output.split())
+    assert f"Model {SECOND} is served as fetched from {MODELS}/{SECOND}" in words
+    assert "TASK [model_hybrid : Merge" not in res.output
+    assert _active_units(host) == {"sparkllm-vllm-mtp.service"}
+    assert _models() == ["qwen3.6-35b-a3b"]
+    env = host.file("/etc/sparkllm/serve/mtp.env").content_string
+    assert f"{MODELS}/{SECOND}:" in env and "--kv-cache-dtype fp8" in env and "65536" in env
+    assert '\\"method\\":\\"mtp\\"' in env
+    # the same build: the image the 122B was served from, no build
+    assert _fact(host, "spark_build") == build and _build_image_ids(host) == images
+    fact = _fact(host, "spark_model")
+    assert fact[f"{SECOND}_verified"] is True and fact[SECOND]["dir"] == f"{MODELS}/{SECOND}"
+    assert fact["hybrid_verified"] is True  # the 122B's record is kept
+    after = _model_files(host)
+    assert {k: v for k, v in after.items() if k in before} == before
+    new = sorted(k[len(MODELS) + 1:] for k in after if k not in before)
+    assert new and all(k.startswith(SECOND + "/") for k in new), new
+    assert f"{SECOND}/sparkllm-manifest.json" in new
+    verify = host.run(f"python3 /opt/sparkllm/scripts/verify_checkpoint.py --expect-mtp {MODELS}/{SECOND}")
+    assert verify.rc == 0, verify.stdout + verify.stderr
+
+
+@fresh
+def test_switching_back_to_the_122b_downloads_merges_and_builds_nothing(host):
+    before, build, images = _model_files(host), _fact(host, "spark_build"), _build_image_ids(host)
+    runs = _runs()
+    res = run_playbook("site.yml", {"spec_method": "ngram"})
+    assert res.rc == 0, res.output[-4000:]
+    words = " ".join(res.output.split())
+    assert "INT4 checkpoint in" in words and "FP8 checkpoint in" in words and "nothing fetched" in words
+    assert "matches the recorded manifest" in words and "nothing merged" in words
+    assert "Start fetching the checkpoints" not in res.output
+    assert "TASK [model_hybrid : Merge" not in res.output
+    assert _active_units(host) == {"sparkllm-vllm-ngram.service"}
+    assert _models() == ["qwen3.5-122b"]
+    assert f"{MODELS}/qwen3.5-122b-hybrid:" in host.file("/etc/sparkllm/serve/ngram.env").content_string
+    assert _fact(host, "spark_build") == build and _build_image_ids(host) == images
+    assert _model_files(host) == before  # the 35B's directory is kept too: switching again costs nothing
+    # the ngram cell of this model and image was measured before the switch: found again, not re-measured
+    assert [r["run_id"] for r in _runs()] == [r["run_id"] for r in runs]
+
+
 @fresh
 def test_the_results_before_the_wipe_are_recorded(host):
     """The wipe follows the switch: no third run to put mtp back first. The configuration the restore
