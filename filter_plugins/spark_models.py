@@ -34,6 +34,12 @@ ENTRY_KEYS = {"description", "checkpoints", "assembly", "model_dir", "sizes", "s
 REQUIRED_KEYS = ("description", "checkpoints", "assembly", "model_dir", "sizes", "serve", "methods",
                  "vllm_variant")
 CHECKPOINT_KEYS = {"role", "repo", "revision", "mode"}
+# The model's own serve settings: the knobs of group_vars/all/main.yml whose default is the selected entry's
+# value (tests/unit/test_spark_models.py holds this equal to what main.yml reads). Every entry sets each one;
+# null = unknown (an imported recipe that did not say), refused at deploy until filled in. Any other knob is
+# the owner's (inventory), not the model's.
+SERVE_KEYS = ("vllm_served_model_name", "vllm_max_model_len", "vllm_reasoning_parser",
+              "vllm_tool_call_parser", "vllm_load_format", "vllm_lm_head_int8")
 # hybrid_merge: the INT4 + FP8 merge and the MTP index patch (roles/model_hybrid); none: served as fetched.
 ASSEMBLIES = ("hybrid_merge", "none")
 # The pieces each assembly writes, as sizes.disk_bytes must name them (preflight's disk check reads them:
@@ -170,6 +176,12 @@ def spark_model_entry_errors(name: str, entry, method_catalogue: Mapping, varian
             for knob in serve:
                 if knob not in SETTING_DEFAULTS:
                     errors.append(f"{where}.serve.{knob} is not a serve knob of group_vars/all/main.yml")
+                elif knob not in SERVE_KEYS:
+                    errors.append(f"{where}.serve.{knob}: not a setting of the model (those are "
+                                  f"{', '.join(SERVE_KEYS)}); set {knob} in the inventory")
+            missing_serve = [k for k in SERVE_KEYS if k not in serve]
+            if missing_serve:
+                errors.append(f"{where}.serve lacks {', '.join(missing_serve)} (null = unknown)")
     env = entry.get("server_env") or {}
     env_ok = isinstance(env, Mapping) and all(isinstance(k, str) and _SERVER_ENV_RE.fullmatch(k) for k in env)
     if not env_ok:
@@ -224,6 +236,10 @@ def spark_model_errors(model, catalogue: Mapping, method, method_catalogue: Mapp
                       f"{', '.join(methods)}")
     elif method in methods:
         errors += _drafter_errors(model, entry, method, catalogue, drafters or {})
+    unset = [k for k in SERVE_KEYS if entry["serve"].get(k) is None]
+    if unset:
+        errors.append(f"model={model}: serve.{', serve.'.join(unset)} unknown (null); fill them in for this "
+                      f"checkpoint (its config.json and chat template) in its catalogue entry")
     unknown = [k for k, v in entry["sizes"]["disk_bytes"].items() if v is None]
     if unknown:
         errors.append(f"model={model}: its size on disk is unknown (sizes.disk_bytes "

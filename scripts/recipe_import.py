@@ -16,6 +16,12 @@ platform); everything else (reading the YAML, substituting ``{placeholders}``, s
 mapping flags to our knobs, refusing) is plain Python, unit-tested without vLLM
 (tests/unit/test_recipe_import.py).
 
+The output (stdout or ``--out``) is ``{name: entry}``, one entry that filter_plugins/spark_models.py's
+``spark_model_entry_errors`` accepts, to paste under ``spark_model_catalogue`` or set in the inventory's
+``spark_model_catalogue_local``: one checkpoint (role checkpoint, mode full, the ``--revision`` commit or
+main), assembly none, model_dir = the name, sizes null (unknown: the deploy asks for them), methods baseline
+plus the recipe's speculative method, and under not_applied each setting no knob or field of the entry takes.
+
 Exit codes: 0 the entry was written; 1 the recipe was refused (one line per reason on stderr, ``FILE:LINE:
 reason``) or the check failed; 2 usage (bad arguments, unreadable recipe, no vLLM of that release here).
 """
@@ -44,6 +50,7 @@ sys.path.insert(0, str(ROOT / "filter_plugins"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import spark_methods  # noqa: E402  (filter_plugins/, put on sys.path above)
+import spark_models  # noqa: E402  (the catalogue's own entry check)
 from sparkllm.cli import EXIT_DONE, EXIT_FAILED, EXIT_USAGE, UsageError, doc_parser, say_error  # noqa: E402
 from sparkllm.fileio import write_bytes_atomic  # noqa: E402
 
@@ -380,9 +387,14 @@ def _parse_worker() -> int:
 
 # --- mapping to a catalogue entry ---------------------------------------------------------------------------
 
+def load_methods_yml(path: Path = METHODS_YML) -> dict:
+    """group_vars/all/methods.yml (spark_method_catalogue, spark_vllm_variants), as the deploy reads it."""
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
 def load_variants(path: Path = METHODS_YML) -> dict[str, str]:
     """vLLM version -> spark_vllm_variants key (group_vars/all/methods.yml)."""
-    variants = yaml.safe_load(path.read_text(encoding="utf-8"))["spark_vllm_variants"]
+    variants = load_methods_yml(path)["spark_vllm_variants"]
     return {str(v["version"]): k for k, v in variants.items()}
 
 
@@ -391,7 +403,83 @@ def our_image_repo(path: Path = BUILD_DEFAULTS) -> str:
 
 
 def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "model"
+    """A catalogue name (spark_models._NAME_RE: lower case, digits, . _ -, at most 64, no leading . or -)."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")[:64].rstrip("-.") or "model"
+
+
+# What a recipe that does not pass a model setting ran with (vLLM's own default where it has one the toolkit
+# can name; None = unknown, which the deploy refuses until the owner fills it in: spark_models.SERVE_KEYS).
+SERVE_WHEN_ABSENT = {
+    "vllm_reasoning_parser": "",   # no --reasoning-parser: vLLM parses no reasoning
+    "vllm_load_format": "",        # no --load-format: vLLM's default loader ('' renders none)
+    "vllm_lm_head_int8": False,    # our INT8 head patch is keyed to the 122B's head
+    "vllm_max_model_len": None,    # vLLM derives it from the config; the toolkit always passes one
+    "vllm_tool_call_parser": None,  # the toolkit enables tool calls by default (vllm_enable_auto_tool_choice)
+}
+
+
+def _model_serve(serve: dict, name: str, line: int, not_applied: list[dict]) -> dict:
+    """The entry's serve: exactly the model's own settings (spark_models.SERVE_KEYS). A knob of the
+    recipe that is not one of them is the owner's: recorded in ``not_applied`` as the inventory line to
+    set; a setting the recipe does not pass gets SERVE_WHEN_ABSENT's value (the served name: the entry's)."""
+    out = {}
+    for knob in spark_models.SERVE_KEYS:
+        absent = name if knob == "vllm_served_model_name" else SERVE_WHEN_ABSENT[knob]
+        out[knob] = serve.get(knob, absent)
+    for knob, value in serve.items():
+        if knob not in spark_models.SERVE_KEYS:
+            not_applied.append({"option": knob, "value": json.dumps(value), "line": line,
+                                "reason": f"not a setting of the model: set {knob}: {json.dumps(value)} in "
+                                          f"the inventory (group_vars) to serve it as the recipe does"})
+    return out
+
+
+def _not_applied(flag: Flag, reason: str, value: str | None = None) -> dict:
+    return {"option": flag.option, "value": " ".join(flag.words[1:]) if value is None else value,
+            "line": flag.line, "reason": reason}
+
+
+def _spec_methods(config, flag: Flag | None, serve: dict, not_applied: list[dict],
+                  catalogue: Mapping) -> tuple[dict, list[Refusal]]:
+    """The entry's methods: baseline (every model serves without speculation) plus the recipe's
+    --speculative-config method, in the schema's shape ({} or {drafter, drafter_revision}). Its other keys
+    go to the knob methods.yml's setting_overrides names for them (into ``serve``), are dropped where the
+    method catalogue renders the same value, and are recorded in ``not_applied`` otherwise."""
+    methods: dict = {"baseline": {}}
+    if not config or flag is None:
+        return methods, []
+    if not isinstance(config, Mapping):
+        return methods, [Refusal(flag.line, f"--speculative-config {config!r} is not a JSON object")]
+    raw = str(config.get("method") or "")
+    # a *_mtp method files as mtp: vLLM does the same (0.19.1 vllm/config/speculative.py:367-371)
+    name = "mtp" if "mtp" in raw else raw
+    if name not in catalogue:
+        return methods, [Refusal(flag.line, f"--speculative-config method {raw!r} is not in the method "
+                                 f"catalogue ({', '.join(catalogue)}; group_vars/all/methods.yml): add the "
+                                 f"method there first, or drop --speculative-config to import the model "
+                                 f"alone")]
+    spec: dict = {}
+    overrides = catalogue[name].get("setting_overrides") or {}
+    defaults = catalogue[name].get("speculative_config") or {}
+    for key, value in config.items():
+        knob = overrides.get(key)
+        if key == "method":
+            continue
+        if key == "model" and name in spark_models.DRAFTER_KNOBS:
+            spec["drafter"] = value
+        elif key == "revision" and name in spark_models.DRAFTER_KNOBS:
+            spec["drafter_revision"] = value
+        elif knob in spark_methods.SETTING_DEFAULTS:
+            serve[knob] = value
+        elif key in defaults and defaults[key] == value:
+            continue
+        else:
+            ours = (f"renders {key}={json.dumps(defaults[key])}" if key in defaults
+                    else f"does not render {key}")
+            not_applied.append(_not_applied(flag, f"no knob sets speculative_config.{key}; the method "
+                                            f"catalogue's {name} {ours}", f"{key}={json.dumps(value)}"))
+    methods[name] = spec
+    return methods, []
 
 
 def _knob_value(option: str, changed: dict):
@@ -409,9 +497,14 @@ def _knob_value(option: str, changed: dict):
 
 def build_entry(recipe: Recipe, model: str, model_line: int, flags: list[Flag], answer: dict, *, release: str,
                 variant: str, image_repo: str, replace_container: bool = False,
-                revision: str | None = None) -> tuple[dict, list[Refusal]]:
-    """The catalogue entry of a parsed recipe ({} when refused), and every reason to refuse it."""
+                revision: str | None = None,
+                methods_yml: Mapping | None = None) -> tuple[dict, list[Refusal]]:
+    """The catalogue entry of a parsed recipe ({} when refused), and every reason to refuse it. The entry is
+    one that filter_plugins/spark_models.py ``spark_model_entry_errors`` accepts; its name is its model_dir.
+    ``methods_yml``: group_vars/all/methods.yml as loaded (read from the repository when None)."""
     doc, lines = recipe.doc, recipe.lines
+    methods_yml = load_methods_yml() if methods_yml is None else methods_yml
+    method_catalogue = methods_yml["spark_method_catalogue"]
     refusals: list[Refusal] = []
     container = doc.get("container")
     if container and not str(container).startswith(image_repo) and not replace_container:
@@ -440,7 +533,7 @@ def build_entry(recipe: Recipe, model: str, model_line: int, flags: list[Flag], 
     if answer.get("error"):
         return {}, refusals + [Refusal(recipe.command_line, answer["error"])]
     serve: dict = {}
-    method: dict = {"speculative_config": None, "serve_flags": {}}
+    spec_config, spec_flag = None, None
     extra: list[str] = []
     not_applied: list[dict] = []
     flag_knobs = {opt: key for key, opt in spark_methods._FLAG_OPTIONS.items()}
@@ -456,8 +549,7 @@ def build_entry(recipe: Recipe, model: str, model_line: int, flags: list[Flag], 
             continue
         knob = spark_methods._MANAGED_OPTIONS.get(option)
         if option in DEPLOYMENT_OPTIONS:
-            not_applied.append({"option": option, "value": " ".join(flag.words[1:]), "line": flag.line,
-                                "reason": f"where the server listens is the owner's ({knob})"})
+            not_applied.append(_not_applied(flag, f"where the server listens is the owner's ({knob})"))
         elif option in REFUSED_OPTIONS:
             refusals.append(Refusal(flag.line, f"{option}: {REFUSED_OPTIONS[option]}"))
         elif option == "--tensor-parallel-size":
@@ -466,16 +558,19 @@ def build_entry(recipe: Recipe, model: str, model_line: int, flags: list[Flag], 
                 refusals.append(Refusal(flag.line, f"{option} {tp}: a catalogue entry serves on one Spark; "
                                         f"spark_tensor_parallel_size is the cluster stage's"))
             else:
-                not_applied.append({"option": option, "value": "1", "line": flag.line,
-                                    "reason": "one Spark: the toolkit's default"})
+                not_applied.append(_not_applied(flag, "one Spark: the toolkit's default", "1"))
         elif knob == "the cluster stage":
             refusals.append(Refusal(flag.line, f"{option}: multi-node options are the cluster stage's"))
         elif option == "--speculative-config":
-            method["speculative_config"] = flag.changed.get("speculative_config")
+            spec_config, spec_flag = flag.changed.get("speculative_config"), flag
         elif option == "--mamba-cache-mode":
-            method["mamba_cache_mode"] = flag.changed.get("mamba_cache_mode")
+            not_applied.append(_not_applied(flag, "the toolkit renders it with prefix caching "
+                                            "(vllm_enable_prefix_caching, methods.yml prefix_caching)"))
+        elif option == "--attention-backend":
+            serve["vllm_attention_backend"] = _knob_value(option, flag.changed)
         elif option in flag_knobs:
-            method["serve_flags"][flag_knobs[option]] = _knob_value(option, flag.changed)
+            not_applied.append(_not_applied(flag, f"methods.yml sets it per method (serve_flags."
+                                            f"{flag_knobs[option]}); no knob of main.yml takes it"))
         elif knob in spark_methods.SETTING_DEFAULTS:
             serve[knob] = _knob_value(option, flag.changed)
         elif knob is not None:
@@ -497,31 +592,41 @@ def build_entry(recipe: Recipe, model: str, model_line: int, flags: list[Flag], 
     errors: list[str] = []
     spark_methods._check_extra_args(errors, extra)
     refusals += [Refusal(recipe.command_line, e) for e in errors]
-    if revision is not None and not spark_methods._REVISION_RE.fullmatch(revision):
-        refusals.append(Refusal(model_line, f"--revision {revision!r} is not a Hub revision (a commit SHA, "
-                                f"branch or tag)"))
+    if revision is not None and not (revision == "main" or spark_models._COMMIT_RE.fullmatch(revision)):
+        refusals.append(Refusal(model_line, f"--revision {revision!r} is not a commit SHA (40 lower-case "
+                                f"hex) or main: the catalogue pins a checkpoint by its commit"))
     repo = doc.get("model") or model
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(repo)):
         refusals.append(Refusal(lines.get("model", model_line), f"model {repo!r} is not a Hugging Face repo "
                                 f"id; a catalogue entry fetches its checkpoint from the Hub (org/name)"))
-    spec = method["speculative_config"] or {}
-    method_name = "baseline" if not spec else ("mtp" if "mtp" in str(spec.get("method", "")) else
-                                               str(spec.get("method")))
+    methods, spec_refusals = _spec_methods(spec_config, spec_flag, serve, not_applied, method_catalogue)
+    refusals += spec_refusals
+    name = _slug(str(doc.get("name") or str(repo).split("/")[-1]))
+    serve = _model_serve(serve, name, recipe.command_line, not_applied)
+    description = doc.get("description") or (doc.get("metadata") or {}).get("description")
     entry = {
-        "name": _slug(str(doc.get("name") or str(repo).split("/")[-1])),
-        "description": str(doc.get("description") or (doc.get("metadata") or {}).get("description") or ""),
+        "description": str(description or f"{repo}, imported from {Path(recipe.path).name}"),
         "imported_from": {"recipe": recipe.path, "recipe_version": str(doc.get("recipe_version", "1")),
                           "container": container, "checked_by": f"vLLM {release} argument parser"},
-        "checkpoints": [{"repo": str(repo), "revision": revision}],
+        # revision main: model_fetch resolves it to its commit at the first fetch and records it
+        "checkpoints": [{"role": "checkpoint", "repo": str(repo), "revision": revision or "main",
+                         "mode": "full"}],
         "assembly": "none",
-        "sizes": {"disk_bytes": None, "memory_bytes": None},
-        "vllm_variant": variant,
+        "model_dir": name,
+        # null = unknown: the deploy refuses the model until the owner fills in the size (spark_model_errors)
+        "sizes": {"disk_bytes": {"checkpoint": None}, "memory_bytes": None},
         "serve": serve,
         "server_env": env,
         "extra_args": extra,
-        "methods": {method_name: {k: v for k, v in method.items() if v not in (None, {})}},
+        "methods": methods,
+        "vllm_variant": variant,
         "not_applied": not_applied,
     }
+    if not refusals:
+        errors = spark_models.spark_model_entry_errors(name, entry, method_catalogue,
+                                                       methods_yml["spark_vllm_variants"])
+        refusals += [Refusal(recipe.command_line, f"the entry fails the catalogue's check: {e}")
+                     for e in errors]
     return ({} if refusals else entry), refusals
 
 
@@ -604,10 +709,11 @@ def main(argv: list[str] | None = None, check: ParseCheck | None = None) -> int:
         return EXIT_FAILED
     sha = hashlib.sha256(text.encode()).hexdigest()
     entry["imported_from"]["recipe_sha256"] = sha
-    out = yaml.safe_dump({entry["name"]: entry}, sort_keys=False, default_flow_style=False, width=110)
-    if entry["checkpoints"][0]["revision"] is None:
-        print(f"{TOOL}: note: {entry['checkpoints'][0]['repo']} is not pinned; pass --revision "
-              f"<commit>", file=sys.stderr)
+    # {name: entry}: pasted under spark_model_catalogue or spark_model_catalogue_local (its name is model_dir)
+    out = yaml.safe_dump({entry["model_dir"]: entry}, sort_keys=False, default_flow_style=False, width=110)
+    if entry["checkpoints"][0]["revision"] == "main":
+        print(f"{TOOL}: note: {entry['checkpoints'][0]['repo']} is not pinned (revision main: the first "
+              f"fetch resolves and records its commit); pass --revision <commit> to pin it", file=sys.stderr)
     if args.out:
         write_bytes_atomic(args.out, out.encode())
     else:

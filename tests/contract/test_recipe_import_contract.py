@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import recipe_import as ri
 from spark_methods import spark_serve_argv
+from spark_models import spark_model_entry_errors
 
 from tests.contract import vllm_probe
 from tests.unit.test_recipe_import import OPTIONS
@@ -45,10 +46,18 @@ def test_qwen36_mtp_recipe_imports_on_0_19_1(qwen36_019):
     entry, refusals = qwen36_019
     assert refusals == []
     assert entry["vllm_variant"] == "v0_19_1"
-    assert entry["methods"]["mtp"]["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
-    assert entry["serve"]["vllm_enable_prefix_caching"] is False
-    # -tp is the real parser's alias of --tensor-parallel-size
-    assert [n["option"] for n in entry["not_applied"]] == ["--host", "--port", "--tensor-parallel-size"]
+    assert entry["methods"] == {"baseline": {}, "mtp": {}}
+    # -tp is the real parser's alias of --tensor-parallel-size; knobs that are the owner's, not the model's
+    # (spark_models.SERVE_KEYS), are recorded as the inventory lines to set
+    notes = {n["option"]: n["value"] for n in entry["not_applied"]}
+    assert list(notes)[:4] == ["--host", "--port", "--max-num-batched-tokens", "--tensor-parallel-size"]
+    owners = {"vllm_gpu_memory_utilization", "vllm_enable_prefix_caching", "spec_num_speculative_tokens"}
+    assert owners <= set(notes)
+    assert not set(notes) & set(entry["serve"])
+    assert notes["spec_num_speculative_tokens"] == "2" and notes["vllm_enable_prefix_caching"] == "false"
+    methods_yml = ri.load_methods_yml()
+    assert spark_model_entry_errors(entry["model_dir"], entry, methods_yml["spark_method_catalogue"],
+                                    methods_yml["spark_vllm_variants"]) == []
 
 
 def test_the_imported_entry_renders_an_argv_0_19_1_accepts(qwen36_019, catalogue):
@@ -83,7 +92,7 @@ def test_an_option_only_0_26_0_has(vllm_module, release, refused):
 def test_qwen36_mtp_recipe_imports_on_0_26_0(vllm_module):
     entry, refusals = run("good-qwen3.6-35b-a3b-fp8-mtp.yaml", "0.26.0")
     assert refusals == []
-    assert entry["methods"]["mtp"]["speculative_config"]["method"] == "mtp"
+    assert entry["methods"] == {"baseline": {}, "mtp": {}} and entry["vllm_variant"] == "v0_26_dflash"
 
 
 def test_a_release_the_interpreter_lacks_is_a_usage_error(vllm_module):

@@ -8,6 +8,7 @@ tag selects no task that would contact a host, so the ssh hosts of the examples 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "inventory" / "examples"
@@ -75,11 +77,21 @@ def test_stage_playbook_alone_finds_the_settings(outside_inventory: Path) -> Non
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
+# An owner's own entry (spark_model_catalogue_local), the 35B's with its size unknown or a path as model_dir.
+_SMALL = yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["spark_model_catalogue"][
+    "qwen3.6-35b-a3b-fp8"]
+_MINE_UNSIZED = {**_SMALL, "model_dir": "mine",
+                 "sizes": {"disk_bytes": {"checkpoint": None}, "memory_bytes": None}}
+_MINE_BAD_DIR = {**_SMALL, "model_dir": "/srv/models/mine"}
+
 # The playbook's rows of the bad-input table: (extra vars, what the one message must name).
 BAD_E = [
     (["-e", "spec_method=bogus"], "spec_method='bogus' is not a known method"),
     (["-e", "model=bogus"], "model='bogus' is not in the model catalogue; set -e model= to one of"),
-    (["-e", "model=qwen3.6-35b-a3b-fp8"], "its size on disk is unknown"),
+    (["-e", json.dumps({"model": "mine", "spark_model_catalogue_local": {"mine": _MINE_UNSIZED}})],
+     "model=mine: its size on disk is unknown"),
+    (["-e", json.dumps({"model": "mine", "spark_model_catalogue_local": {"mine": _MINE_BAD_DIR}})],
+     "spark_model_catalogue.mine.model_dir='/srv/models/mine' must be a directory name"),
     (["-e", "model=qwen3.6-35b-a3b-fp8", "-e", "spec_method=dflash"], "it supports: baseline, ngram, mtp"),
     (["-e", "spec_method=eagle3"], "spec_eagle3_drafter"),
     (["-e", "bench_force=yes"], "bench_force must be a boolean"),

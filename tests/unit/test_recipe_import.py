@@ -14,9 +14,14 @@ from pathlib import Path
 import pytest
 import recipe_import as ri
 import yaml
+from spark_models import spark_model_entry_errors, spark_model_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "tests" / "fixtures" / "recipes"
+# the method catalogue and the build variants the deploy checks an entry against (as test_spark_models.py)
+METHODS_YML = yaml.safe_load((ROOT / "group_vars" / "all" / "methods.yml").read_text(encoding="utf-8"))
+METHOD_CAT = METHODS_YML["spark_method_catalogue"]
+VARIANTS = METHODS_YML["spark_vllm_variants"]
 
 # option -> (dest, type): what the fake parser knows; "flag" takes no value, "json" parses JSON.
 OPTIONS = {
@@ -104,16 +109,28 @@ command: |
 def test_a_recipe_maps_flags_to_knobs_methods_and_extra_args():
     entry, refusals = run(GOOD)
     assert refusals == []
-    assert entry["checkpoints"] == [{"repo": "Qwen/Qwen3.6-35B-A3B-FP8", "revision": None}]
+    # not pinned: main, which model_fetch resolves and records at the first fetch
+    assert entry["checkpoints"] == [{"role": "checkpoint", "repo": "Qwen/Qwen3.6-35B-A3B-FP8",
+                                     "revision": "main", "mode": "full"}]
     assert entry["assembly"] == "none" and entry["vllm_variant"] == "v0_19_1"
+    assert "name" not in entry and entry["model_dir"] == "qwen3.6-35b-a3b-fp8"
+    assert entry["sizes"] == {"disk_bytes": {"checkpoint": None}, "memory_bytes": None}
+    # serve holds exactly the model's own settings (spark_models.SERVE_KEYS): the recipe's, else what it ran
+    # with (no --reasoning-parser: ''), else unknown (null, refused at deploy until filled in)
     assert entry["serve"] == {"vllm_served_model_name": "q36", "vllm_max_model_len": 65536,
-                              "vllm_enable_prefix_caching": True}
-    assert entry["methods"] == {"mtp": {"speculative_config": {"method": "qwen3_next_mtp",
-                                                               "num_speculative_tokens": 3},
-                                        "serve_flags": {"max_num_batched_tokens": 4096}}}
+                              "vllm_reasoning_parser": "", "vllm_tool_call_parser": None,
+                              "vllm_load_format": "", "vllm_lm_head_int8": False}
+    assert entry["methods"] == {"baseline": {}, "mtp": {}}
     assert entry["extra_args"] == ["--kv-cache-dtype", "fp8"]
     assert entry["server_env"] == {"VLLM_MARLIN_USE_ATOMIC_ADD": "1"}
-    assert [(n["option"], n["line"]) for n in entry["not_applied"]] == [("--port", 11), ("--host", 11)]
+    # knobs of the owner's (prefix caching; num_speculative_tokens, methods.yml mtp setting_overrides) are
+    # recorded as the inventory lines to set, at the command's line
+    assert [(n["option"], n["line"]) for n in entry["not_applied"]] == [
+        ("--port", 11), ("--host", 11), ("--max-num-batched-tokens", 14),
+        ("vllm_enable_prefix_caching", 10), ("spec_num_speculative_tokens", 10)]
+    assert "serve_flags.max_num_batched_tokens" in entry["not_applied"][2]["reason"]
+    assert "set spec_num_speculative_tokens: 3 in the inventory" in entry["not_applied"][4]["reason"]
+    assert spark_model_entry_errors("qwen3.6-35b-a3b-fp8", entry, METHOD_CAT, VARIANTS) == []
 
 
 def test_a_recipe_without_speculation_is_a_baseline_entry():
@@ -121,6 +138,45 @@ def test_a_recipe_without_speculation_is_a_baseline_entry():
     assert refusals == []
     assert entry["methods"] == {"baseline": {}}
     assert entry["extra_args"] == ["--trust-remote-code"]
+    assert entry["description"] == "Qwen/Qwen3-8B, imported from r.yaml"
+
+
+def spec_recipe(config: str) -> str:
+    """A recipe whose --speculative-config (line 5) is ``config``, kept in defaults as recipes do."""
+    return (f"defaults:\n  spec: '{config}'\n"
+            "command: |\n  vllm serve o/m \\\n    --speculative-config '{spec}'\n")
+
+
+def test_speculative_settings_go_to_knobs_drafters_or_not_applied():
+    entry, refusals = run(spec_recipe('{"method": "ngram", "num_speculative_tokens": 4, '
+                                      '"prompt_lookup_min": 2, "prompt_lookup_max": 6, '
+                                      '"disable_by_batch_size": 8}'))
+    assert refusals == []
+    assert entry["methods"] == {"baseline": {}, "ngram": {}}
+    assert [(n["option"], n["value"]) for n in entry["not_applied"][1:]] == [
+        ("spec_num_speculative_tokens", "4"), ("spec_ngram_lookup_min", "2"), ("spec_ngram_lookup_max", "6")]
+    note = entry["not_applied"][0]
+    assert (note["option"], note["value"], note["line"]) == ("--speculative-config",
+                                                             "disable_by_batch_size=8", 5)
+    assert "does not render disable_by_batch_size" in note["reason"]
+    entry, refusals = run(spec_recipe('{"method": "eagle3", "model": "o/d", "revision": "' + "c" * 40 + '"}'))
+    assert refusals == []
+    assert entry["methods"] == {"baseline": {}, "eagle3": {"drafter": "o/d", "drafter_revision": "c" * 40}}
+    assert entry["serve"]["vllm_served_model_name"] == "m" and entry["not_applied"] == []
+    assert spark_model_entry_errors("m", entry, METHOD_CAT, VARIANTS) == []
+
+
+def test_a_speculative_method_the_catalogue_lacks_is_refused_at_its_line():
+    entry, refusals = run(spec_recipe('{"method": "suffix", "num_speculative_tokens": 4}'))
+    assert entry == {} and lines_of(refusals) == [5]
+    assert "'suffix' is not in the method catalogue" in refusals[0].reason
+
+
+def test_an_entry_the_catalogues_check_refuses_is_never_written():
+    methods_yml = {**METHODS_YML, "spark_vllm_variants": {"v9": {}}}
+    entry, refusals = run("command: vllm serve o/m\n", methods_yml=methods_yml)
+    assert entry == {}
+    assert ["vllm_variant='v0_19_1' is not a build variant" in r.reason for r in refusals] == [True]
 
 
 @pytest.mark.parametrize(("text", "line", "words"), [
@@ -237,11 +293,17 @@ def test_a_local_model_path_without_a_hub_repo_is_refused():
     assert refusals == [] and entry["checkpoints"][0]["repo"] == "o/x"
 
 
-def test_a_revision_pins_the_checkpoint_and_a_bad_one_is_refused():
-    entry, refusals = run("command: vllm serve o/m\n", revision="a" * 40)
-    assert refusals == [] and entry["checkpoints"][0]["revision"] == "a" * 40
-    _, refusals = run("command: vllm serve o/m\n", revision="..")
-    assert "not a Hub revision" in refusals[0].reason
+@pytest.mark.parametrize("revision", ["a" * 40, "main"])
+def test_a_revision_pins_the_checkpoint(revision):
+    entry, refusals = run("command: vllm serve o/m\n", revision=revision)
+    assert refusals == [] and entry["checkpoints"][0]["revision"] == revision
+
+
+@pytest.mark.parametrize("revision", ["..", "v1.0", "A" * 40, "a" * 39])
+def test_a_revision_that_is_no_commit_or_main_is_refused(revision):
+    # the catalogue's schema takes a 40-hex commit or main (filter_plugins/spark_models.py)
+    _, refusals = run("command: vllm serve o/m\n", revision=revision)
+    assert ["not a commit SHA" in r.reason for r in refusals] == [True]
 
 
 def test_a_worker_without_the_release_is_a_usage_error():
@@ -271,6 +333,24 @@ def test_good_fixtures_import(path):
     assert entry["checkpoints"][0]["repo"].count("/") == 1
 
 
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("good-*.yaml")), ids=lambda p: p.stem)
+def test_good_fixtures_are_entries_the_deploy_accepts_once_sized(path):
+    """The written entry passes the catalogue's check; the deploy refuses it only for what the recipe did not
+    say: its size, and a model setting it does not pass (the tool parser here: null until filled in)."""
+    entry, _ = ri.import_recipe(path.read_text(), str(path), fake_check, **KW)
+    name = entry["model_dir"]
+    assert spark_model_entry_errors(name, entry, METHOD_CAT, VARIANTS) == []
+    assert "baseline" in entry["methods"]
+    for method in entry["methods"]:
+        errs = spark_model_errors(name, {name: entry}, method, METHOD_CAT, VARIANTS)
+        assert any("sizes.disk_bytes checkpoint null" in e for e in errs), errs
+        assert all("sizes.disk_bytes" in e or "unknown (null); fill them in" in e for e in errs), errs
+    sized = {**entry, "sizes": {"disk_bytes": {"checkpoint": 16_000_000_000}, "memory_bytes": None},
+             "serve": {**entry["serve"], "vllm_tool_call_parser": "hermes",
+                       "vllm_max_model_len": entry["serve"]["vllm_max_model_len"] or 4096}}
+    assert spark_model_errors(name, {name: sized}, "baseline", METHOD_CAT, VARIANTS) == []
+
+
 # --- the command line ---------------------------------------------------------------------------------------
 
 def test_main_writes_the_entry_atomically(tmp_path, capsys):
@@ -282,10 +362,19 @@ def test_main_writes_the_entry_atomically(tmp_path, capsys):
     assert rc == ri.EXIT_DONE
     doc = yaml.safe_load(out.read_text())
     (name, entry), = doc.items()
-    assert name == entry["name"] == "qwen3.6-35b-a3b-fp8"
+    assert name == entry["model_dir"] == "qwen3.6-35b-a3b-fp8" and "name" not in entry
+    assert spark_model_entry_errors(name, entry, METHOD_CAT, VARIANTS) == []
     assert entry["checkpoints"][0]["revision"] == "b" * 40
     assert len(entry["imported_from"]["recipe_sha256"]) == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry.yml"]  # no temporary left beside it
+
+
+def test_main_notes_an_unpinned_checkpoint_on_stderr(capsys):
+    assert ri.main([str(RECIPES / "good-dense-plain.yaml")], check=fake_check) == ri.EXIT_DONE
+    captured = capsys.readouterr()
+    (name, entry), = yaml.safe_load(captured.out).items()
+    assert name == "qwen3-8b-plain" and entry["checkpoints"][0]["revision"] == "main"
+    assert "Qwen/Qwen3-8B is not pinned" in captured.err and "--revision <commit>" in captured.err
 
 
 @pytest.mark.parametrize("content", ["old", "other: {name: x}\n", "a: 1\nb: 2\n"])

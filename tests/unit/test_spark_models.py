@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from spark_methods import SETTING_DEFAULTS
-from spark_models import FilterModule, spark_model_entry_errors, spark_model_errors
+from spark_models import SERVE_KEYS, FilterModule, spark_model_entry_errors, spark_model_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 GV = ROOT / "group_vars" / "all"
@@ -103,6 +103,16 @@ def test_another_model_sets_the_knobs_and_a_set_knob_wins(tmp_path: Path):
                    "vllm_load_format": "safetensors", "vllm_serve_extra_args": ["--kv-cache-dtype", "fp8"]}
 
 
+@pytest.mark.skipif(not PLAYBOOK_BIN.exists(), reason="ansible-playbook not in this venv")
+def test_an_entry_of_the_owners_own_is_selected_like_the_catalogues(tmp_path: Path):
+    mine = copy.deepcopy(CATALOGUE[SMALL])
+    mine["serve"]["vllm_served_model_name"] = "mine"
+    mine["model_dir"] = "my-model"
+    got = resolve(tmp_path, ["vllm_served_model_name", "spark_model_dir"], model="my-model",
+                  spark_model_catalogue_local={"my-model": mine})
+    assert got == {"vllm_served_model_name": "mine", "spark_model_dir": "/srv/models/my-model"}
+
+
 def test_knob_defaults_read_the_default_models_entry():
     """The argv filter's defaults (main.yml) resolve a model-read default to the default model's value."""
     for knob, value in CATALOGUE[BIG]["serve"].items():
@@ -121,6 +131,28 @@ def test_35b_entry_keeps_the_122b_int8_head_off_and_is_pinned():
     assert re.fullmatch(r"[0-9a-f]{40}", entry["checkpoints"][0]["revision"])
     assert entry["assembly"] == "none"
     assert entry["model_dir"] != CATALOGUE[BIG]["model_dir"]
+
+
+def test_serve_keys_are_what_main_yml_reads_from_the_entry():
+    text = (ROOT / "group_vars/all/main.yml").read_text(encoding="utf-8")
+    assert set(re.findall(r"spark_model_entry\.serve\.(\w+)", text)) == set(SERVE_KEYS)
+
+
+@pytest.mark.parametrize(("mutate", "says"), [
+    (lambda e: e["serve"].update(spec_num_speculative_tokens=3),
+     "serve.spec_num_speculative_tokens: not a setting of the model"),
+    (lambda e: e["serve"].pop("vllm_tool_call_parser"), "serve lacks vllm_tool_call_parser"),
+])
+def test_serve_holds_exactly_the_models_own_settings(mutate, says):
+    assert any(says in m for m in entry_errors(mutate))
+
+
+def test_an_unknown_serve_setting_is_refused_at_deploy():
+    cat = copy.deepcopy(CATALOGUE)
+    cat[SMALL]["serve"]["vllm_max_model_len"] = None
+    assert spark_model_entry_errors(SMALL, cat[SMALL], METHOD_CAT, VARIANTS) == []
+    msgs = errors(model=SMALL, method="mtp", catalogue=cat)
+    assert any("serve.vllm_max_model_len unknown (null)" in m for m in msgs)
 
 
 def test_serve_keys_are_main_yml_knobs():
@@ -242,4 +274,4 @@ def test_entry_name_and_type():
 def test_filter_module_and_validate_play():
     assert set(FilterModule().filters()) == {"spark_model_entry_errors", "spark_model_errors"}
     play = (ROOT / "playbooks" / "validate.yml").read_text(encoding="utf-8")
-    assert "model | spark_model_errors(spark_model_catalogue, spec_method" in play
+    assert "model | spark_model_errors(spark_model_catalogue | combine(spark_model_catalogue_local)" in play
