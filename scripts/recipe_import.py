@@ -407,25 +407,33 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")[:64].rstrip("-.") or "model"
 
 
-# What a recipe that does not pass a model setting ran with (vLLM's own default where it has one the toolkit
-# can name; None = unknown, which the deploy refuses until the owner fills it in: spark_models.SERVE_KEYS).
-SERVE_WHEN_ABSENT = {
-    "vllm_reasoning_parser": "",   # no --reasoning-parser: vLLM parses no reasoning
-    "vllm_load_format": "",        # no --load-format: vLLM's default loader ('' renders none)
-    "vllm_lm_head_int8": False,    # our INT8 head patch is keyed to the 122B's head
-    "vllm_max_model_len": None,    # vLLM derives it from the config; the toolkit always passes one
-    "vllm_tool_call_parser": None,  # the toolkit enables tool calls by default (vllm_enable_auto_tool_choice)
+# What vLLM runs with when a recipe does not pass one of the model's options ('' = the option is not rendered,
+# vLLM's own default; None = unknown, which the deploy refuses until the owner fills it in: the toolkit always
+# passes a context length, and enables tool calls by default, so it needs the tool parser).
+WHEN_ABSENT = {
+    "--reasoning-parser": "",    # no reasoning parsing
+    "--load-format": "",         # vLLM's default loader
+    "--max-model-len": None,     # vLLM derives it from the checkpoint's config
+    "--tool-call-parser": None,
 }
 
 
 def _model_serve(serve: dict, name: str, line: int, not_applied: list[dict]) -> dict:
     """The entry's serve: exactly the model's own settings (spark_models.SERVE_KEYS). A knob of the
     recipe that is not one of them is the owner's: recorded in ``not_applied`` as the inventory line to
-    set; a setting the recipe does not pass gets SERVE_WHEN_ABSENT's value (the served name: the entry's)."""
+    set; a setting the recipe does not pass is what vLLM runs with without it (WHEN_ABSENT), the served
+    name the entry's, and the INT8 head off (our patch is keyed to the 122B's head)."""
+    absent = {spark_methods._MANAGED_OPTIONS[option]: value for option, value in WHEN_ABSENT.items()}
     out = {}
     for knob in spark_models.SERVE_KEYS:
-        absent = name if knob == "vllm_served_model_name" else SERVE_WHEN_ABSENT[knob]
-        out[knob] = serve.get(knob, absent)
+        if knob in serve:
+            out[knob] = serve[knob]
+        elif knob == "vllm_served_model_name":
+            out[knob] = name
+        elif knob in absent:
+            out[knob] = absent[knob]
+        else:  # vllm_lm_head_int8: no vLLM option; off
+            out[knob] = False
     for knob, value in serve.items():
         if knob not in spark_models.SERVE_KEYS:
             not_applied.append({"option": knob, "value": json.dumps(value), "line": line,
