@@ -104,6 +104,18 @@ def test_another_model_sets_the_knobs_and_a_set_knob_wins(tmp_path: Path):
 
 
 @pytest.mark.skipif(not PLAYBOOK_BIN.exists(), reason="ansible-playbook not in this venv")
+def test_a_model_served_as_fetched_leaves_the_hybrid_knobs_empty(tmp_path: Path):
+    """model_fetch's argument spec templates every hybrid knob even for a plain model: they must resolve."""
+    names = ["model_fetch_int4_repo", "model_fetch_int4_revision", "model_fetch_fp8_repo",
+             "model_fetch_fp8_revision", "model_fetch_fp8_mode", "spark_checkpoint_bytes"]
+    got = resolve(tmp_path, names, model=SMALL)
+    assert got == {"model_fetch_int4_repo": "", "model_fetch_int4_revision": "", "model_fetch_fp8_repo": "",
+                   "model_fetch_fp8_revision": "", "model_fetch_fp8_mode": "extract",
+                   "spark_checkpoint_bytes": {"checkpoint": 40_000_000_000,
+                                              "drafters": got["spark_checkpoint_bytes"]["drafters"]}}
+
+
+@pytest.mark.skipif(not PLAYBOOK_BIN.exists(), reason="ansible-playbook not in this venv")
 def test_an_entry_of_the_owners_own_is_selected_like_the_catalogues(tmp_path: Path):
     mine = copy.deepcopy(CATALOGUE[SMALL])
     mine["serve"]["vllm_served_model_name"] = "mine"
