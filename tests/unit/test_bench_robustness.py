@@ -130,7 +130,10 @@ def test_a_signal_keeps_the_requests_measured_as_a_partial_invalid_run(tmp_path:
 
     prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=10)
     out = tmp_path / "out"
-    with StandinServer(Config(model="m", step_time=0.02)) as srv:
+    # 0.2 s a token: the whole run (20 prompts, 6 tokens) would take ~24 s, so the signal lands mid-run even
+    # when a busy machine (CI runs this beside molecule, niced) starves this loop for seconds; at 0.02 s the
+    # run could finish before the loop saw its fourth answer, and exit 0 (seen twice under load)
+    with StandinServer(Config(model="m", step_time=0.2)) as srv:
         proc = subprocess.Popen(
             [sys.executable, str(SCRIPTS / "bench.py"), "run", "--base-url", srv.base_url, "--model", "m",
              "--label", "x", "--out", str(out), "--prompts", str(prompts), "--max-tokens", "6",
