@@ -130,16 +130,17 @@ def test_a_signal_keeps_the_requests_measured_as_a_partial_invalid_run(tmp_path:
 
     prompts = write_prompts(tmp_path / "p.jsonl", n_per_cat=10)
     out = tmp_path / "out"
-    # 0.2 s a token: the whole run (20 prompts, 6 tokens) would take ~24 s, so the signal lands mid-run even
-    # when a busy machine (CI runs this beside molecule, niced) starves this loop for seconds; at 0.02 s the
-    # run could finish before the loop saw its fourth answer, and exit 0 (seen twice under load)
-    with StandinServer(Config(model="m", step_time=0.2)) as srv:
+    with StandinServer(Config(model="m", step_time=0.02)) as srv:
         proc = subprocess.Popen(
             [sys.executable, str(SCRIPTS / "bench.py"), "run", "--base-url", srv.base_url, "--model", "m",
              "--label", "x", "--out", str(out), "--prompts", str(prompts), "--max-tokens", "6",
              "--warmup", "0", "--quiet"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(SCRIPTS)})
+            env={**os.environ, "PYTHONPATH": str(SCRIPTS)},
+            # Ctrl-C as a terminal delivers it. A shell without job control starts a background job (`cmd &`
+            # in a CI script) with SIGINT ignored, the child inherits that and Python keeps it ignored: the
+            # run went on to the end and exited 0 (seen in CI). The child gets the default disposition back.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 60  # a wait for the stand-in's progress, not a measurement
         while srv.engine.c.success < 4 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
